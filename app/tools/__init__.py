@@ -1,0 +1,9 @@
+"""Tools the model can call (`<request><Name>query<call>`).
+
+Import-light: standard library only (no torch/transformers anywhere under app/tools), so the
+calculator can be imported from a separate environment.
+"""
+
+from app.tools.registry import Tool, ToolError, ToolResult, default_tools, find_tool, get_tools, run_tool
+
+__all__ = ["Tool", "ToolError", "ToolResult", "default_tools", "find_tool", "get_tools", "run_tool"]

@@ -1,0 +1,93 @@
+"""Tool registry: what a tool is, how it is looked up and how a call becomes a result.
+
+A tool is a function from the query text the model wrote to a short result text. A tool
+failure never crashes an episode: `run_tool` turns it into a `ToolResult(ok=False)` that the
+model reads like any other output.
+
+Adding a tool: write `def my_tool(query: str) -> str` (raise `ToolError` for a bad query) and
+add one `Tool(...)` line to `default_tools()`.
+
+Import-light on purpose: only the standard library here (the tools are imported lazily).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+
+class ToolError(Exception):
+    """A rejection with a short, user-facing message (shown to the model as `error: <message>`)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str  # one line, goes into the system prompt
+    function: Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    ok: bool
+
+
+def default_tools() -> dict[str, Tool]:
+    """All built-in tools by name, as a fresh dict on every call."""
+    from app.tools.calculator import calculate
+    from app.tools.search import search_tool
+
+    tools = [
+        Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate),
+        Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool),
+    ]
+    return {tool.name: tool for tool in tools}
+
+
+def find_tool(tools: Mapping[str, Tool], name: str) -> Tool | None:
+    """Case-insensitive lookup by name; None when there is no such tool."""
+    if not isinstance(name, str):
+        return None
+    wanted = name.strip().lower()
+    for key, tool in tools.items():
+        if key.lower() == wanted:
+            return tool
+    return None
+
+
+def get_tools(names: Iterable[str] | None = None) -> dict[str, Tool]:
+    """Select built-in tools by name, case-insensitively (None: all of them).
+
+    Raises ValueError naming the unknown tool and the available ones.
+    """
+    available = default_tools()
+    if names is None:
+        return available
+    if isinstance(names, str):
+        names = [names]
+    selected: dict[str, Tool] = {}
+    for name in names:
+        tool = find_tool(available, name)
+        if tool is None:
+            raise ValueError(f"unknown tool {name!r} (available: {', '.join(available)})")
+        selected[tool.name] = tool
+    return selected
+
+
+def run_tool(tools: Mapping[str, Tool], name: str, query: str) -> ToolResult:
+    """Run one tool call; every outcome, including a crash inside the tool, is a ToolResult."""
+    tool = find_tool(tools, name)
+    if tool is None:
+        return ToolResult(f"unknown tool {name} (available: {', '.join(tools)})", ok=False)
+    try:
+        text = tool.function(query)
+    except ToolError as exc:
+        return ToolResult(f"error: {exc}", ok=False)
+    except Exception as exc:  # a tool failure is a result the model reads, never a crash
+        log.exception("tool %s failed on %r", tool.name, query)
+        return ToolResult(f"error: {tool.name} failed ({type(exc).__name__}: {exc})", ok=False)
+    return ToolResult(text if isinstance(text, str) else str(text), ok=True)

@@ -1,0 +1,165 @@
+"""Calculator: exact answers for what small models write, and fast rejection of every attack."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from app.config import ROOT
+from app.tools.calculator import calculate
+from app.tools.registry import ToolError
+
+CASES = [
+    ("1+2", "3"),
+    ("12*(3+4)", "84"),
+    ("2**100", "1267650600228229401496703205376"),
+    ("123456789*987654321", "121932631112635269"),
+    ("10/2", "5"),
+    ("7/2", "3.5"),
+    ("1/3", "0.333333333333"),
+    ("1/3*3", "1"),
+    ("100/7", "14.2857142857"),
+    ("10//3", "3"),
+    ("-7%3", "2"),
+    ("0.1+0.2", "0.3"),
+    ("0.1*3", "0.3"),
+    ("2.5*4", "10"),
+    ("1.5e3+1", "1501"),
+    ("3×4", "12"),
+    ("8÷2", "4"),
+    ("−5+3", "-2"),
+    ("2^10", "1024"),
+    ("3^2^2", "81"),
+    ("1,000+1", "1001"),
+    ("12,345,678*2", "24691356"),
+    ("1,234.5*2", "2469"),
+    ("7*6 =", "42"),
+    ("  2+2  ", "4"),
+    ("(1+2)*(3+4)", "21"),
+    ("-(3+4)*2", "-14"),
+    ("-2**2", "-4"),
+    ("(-2)**2", "4"),
+    ("2*-3", "-6"),
+    ("+5", "5"),
+    ("2**-3", "0.125"),
+    ("sqrt(2)", "1.41421356237"),
+    ("sqrt(16)", "4"),
+    ("sqrt(2**200)", "1267650600228229401496703205376"),
+    ("sqrt(1/4)", "0.5"),
+    ("log(e)", "1"),
+    ("log(8,2)", "3"),
+    ("log(100, 10)", "2"),
+    ("log(1000,10)", "3"),
+    ("exp(1)", "2.71828182846"),
+    ("exp(0)", "1"),
+    ("pi", "3.14159265359"),
+    ("2*pi", "6.28318530718"),
+    ("e", "2.71828182846"),
+    ("sin(pi)", "0"),
+    ("cos(0)", "1"),
+    ("tan(0)", "0"),
+    ("abs(-5)", "5"),
+    ("abs(-2.5)", "2.5"),
+    ("round(2.5)", "3"),
+    ("round(-2.5)", "-3"),
+    ("round(2.4)", "2"),
+    ("floor(2.7)", "2"),
+    ("floor(-7/2)", "-4"),
+    ("ceil(2.1)", "3"),
+    ("factorial(20)", "2432902008176640000"),
+    ("factorial(0)", "1"),
+    ("Sqrt(16)", "4"),
+    ("1e20", "1e20"),
+    ("10**400/3", "3.33333333333e399"),
+    ("4**0.5", "2"),
+    ("-0.0", "0"),
+]
+
+
+@pytest.mark.parametrize(("expression", "expected"), CASES)
+def test_calculates(expression: str, expected: str) -> None:
+    assert calculate(expression) == expected
+
+
+# Each would run for seconds, exhaust memory or escape the sandbox if it were computed; being
+# rejected (with a message naming the problem) is the proof that it was not.
+ATTACKS = [
+    ("__import__('os').system('x')", "not allowed"),
+    ("__import__('os')", "'__import__' is not allowed"),
+    ("().__class__.__bases__", "attribute access"),
+    ("open('x')", "'open' is not allowed"),
+    ("lambda: 1", "lambda"),
+    ("[1]*9", "lists"),
+    ('"a"*9', "strings"),
+    ("[x for x in (1,)]", "not allowed"),
+    ("(1)[0]", "indexing"),
+    ("x", "'x' is not allowed"),
+    ("round(5, ndigits=2)", "argument"),
+    ("round(5, -10**7)", "round takes 1 argument"),
+    ("9**9**9**9", "too large"),
+    ("(10**9999)**9999", "too large"),
+    ("10**4000 * 10**4000", "too large"),
+    ("2**4000 * 2**4000", "product too large"),
+    ("3999999**3999999 % 7", "too large"),
+    ("2**4096", "too large"),
+    ("factorial(10**6)", "0..170"),
+    ("factorial(171)", "0..170"),
+    ("factorial(-1)", "0..170"),
+    ("factorial(2.5)", "whole number"),
+    ("1+" * 10**5 + "1", "too long"),
+    ("(" * 300 + "1" + ")" * 300, "too long"),
+    ("1" * 500, "too long"),
+    ("-" * 150 + "1", "too long"),
+    ("1/0", "division by zero"),
+    ("5//0", "division by zero"),
+    ("5%0", "by zero"),
+    ("0**-1", "division by zero"),
+    ("exp(1000)", "too large"),
+    ("1e308*10", "too large"),
+    ("1e400", "too large"),
+    ("sqrt(-1)", "not a real number"),
+    ("(-8)**(1/3)", "not a real number"),
+    ("log(0)", "positive"),
+    ("log(5, 1)", "base"),
+    ("1j", "only numbers"),
+    ("True", "only numbers"),
+    ("1 < 2", "comparisons"),
+    ("1, 2", "comma"),
+    ("2(3+4)", "use * for multiplication"),
+    ("1 & 2", "operator & is not allowed"),
+    ("", "empty"),
+    ("=", "empty"),
+    ("1 +", "could not parse"),
+    ("1\x00", "could not parse"),
+]
+
+
+@pytest.mark.parametrize(("expression", "message"), ATTACKS, ids=[a[0][:40] for a in ATTACKS])
+def test_rejects(expression: str, message: str) -> None:
+    with pytest.raises(ToolError) as info:
+        calculate(expression)
+    text = str(info.value)
+    assert message in text
+    assert 0 < len(text) <= 200  # short enough for the model to read
+
+
+def test_non_text_input_is_rejected() -> None:
+    with pytest.raises(ToolError):
+        calculate(None)  # type: ignore[arg-type]
+
+
+def test_nesting_inside_the_length_limit_is_fine() -> None:
+    assert calculate("(" * 99 + "1" + ")" * 99) == "1"
+
+
+def test_imports_only_the_standard_library() -> None:
+    """A separate venv (without torch) must be able to import the calculator."""
+    code = (
+        "import sys; import app.tools.calculator as c; "
+        "bad = [m for m in ('torch', 'transformers', 'gradio', 'numpy') if m in sys.modules]; "
+        "assert not bad, bad; print(c.calculate('6*7'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "42"
