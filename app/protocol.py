@@ -1,0 +1,58 @@
+"""The text protocol between model and tools (from TRL's TextEnvironment), and keeping untrusted text out of it.
+
+The model writes `<request><ToolName>query<call>`; generation stops at `<call>`, the tool's output plus
+`<response>` is appended, and generation resumes until `<submit>`, EOS or the length budget.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+REQUEST, CALL, RESPONSE, SUBMIT = "<request>", "<call>", "<response>", "<submit>"
+STOP_STRINGS = (CALL, SUBMIT)
+
+# Markers in any spacing or case: `< call >`, `</submit>`, `<CALL>`.
+_MARKER = re.compile(r"<\s*/?\s*(request|call|response|submit)\s*>", re.IGNORECASE)
+_TOOL_CALL = re.compile(r"\s*<([^<>\n]{1,64})>(.*)\Z", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    query: str
+
+
+class ToolCallError(ValueError):
+    """The segment ended in `<call>` but holds no well-formed request; the model reads this message."""
+
+
+def parse_tool_call(segment_text: str) -> ToolCall:
+    """Find the request in one segment's generated text (never in earlier text, so tool output cannot forge one)."""
+    end = segment_text.rfind(CALL)
+    body = segment_text[:end] if end >= 0 else segment_text
+    start = body.rfind(REQUEST)
+    if start < 0:
+        raise ToolCallError(f"no {REQUEST} before {CALL}; write {REQUEST}<ToolName>query{CALL}")
+    match = _TOOL_CALL.match(body[start + len(REQUEST):])
+    if not match:
+        raise ToolCallError(f"expected {REQUEST}<ToolName>query{CALL}")
+    return ToolCall(name=match[1].strip(), query=match[2].strip())
+
+
+def neutralize(text: str, special_tokens: list[str] | tuple[str, ...] = ()) -> str:
+    """Make untrusted text (user messages, tool output) unable to end a segment or forge a protocol marker.
+
+    Angle brackets of markers and special-token texts become the look-alikes ‹ ›, which a reader still
+    understands but which never match a stop string, the tool-call parser, or a special token.
+    """
+    text = _MARKER.sub(lambda m: f"‹{m[1]}›", text)
+    for special in special_tokens:
+        if special in text:
+            text = text.replace(special, special.replace("<", "‹").replace(">", "›"))
+    return text
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Tokenize text the way every piece of a session is tokenized: no BOS, special-token texts kept as text."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
