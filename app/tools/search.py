@@ -1,0 +1,238 @@
+"""Search tool: the Jargon File in an SQLite FTS5 index, behind a swappable interface.
+
+`search_tool("kludge")` returns the top hits as compact text (`title: [snippet]…`, one line
+per hit). Another backend (embeddings, a web API) only has to provide `SearchBackend.search`.
+
+The index is built by this module, once, from the committed corpus
+`assets/jargon/jargon.jsonl.gz` into `cache_dir()/jargon-<hash>.db` (hash of the corpus and of
+the index layout, so a changed corpus gets a new file). It is written to a temporary file and
+renamed into place, so concurrent first starts are safe, then opened read-only and shared by
+all threads: it holds no user state.
+
+User text never reaches FTS5 syntax: the query is reduced to `\\w+` terms, each quoted, joined
+with ` OR ` and bound as a parameter, so `C++`, `what's`, `"x`, `AND`, `foo:bar`, `-x`, `*`
+cannot raise a syntax error or change the query's meaning.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import re
+import sqlite3
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from app.config import ASSETS, cache_dir
+from app.tools.registry import ToolError
+
+log = logging.getLogger(__name__)
+
+JARGON_CORPUS = ASSETS / "jargon" / "jargon.jsonl.gz"
+INDEX_LAYOUT = "fts5-v1"  # change when the table layout or tokenizer changes
+TOKENIZER = "porter unicode61 remove_diacritics 2"
+TOOL_RESULTS = 3
+MAX_OUTPUT_CHARS = 400
+MAX_TERMS = 32
+MAX_QUERY_CHARS = 500
+RERANK_EXTRA = 20  # candidates fetched beyond `limit` so an exact title match can move to the top
+
+
+@dataclass(frozen=True)
+class Hit:
+    title: str
+    snippet: str
+
+
+class SearchBackend(Protocol):
+    def search(self, query: str, limit: int) -> list[Hit]:
+        """Best hits first; an empty list when nothing matches or the query has no words."""
+        ...
+
+
+# Question words dropped from a query when other words remain ("what is a kludge" -> "kludge").
+STOPWORDS = frozenset(
+    "a an the is are was were be what what's whats who whom which does do did mean means meaning meant "
+    "define definition of in on to for by with about and or it its s term word jargon slang hacker's "
+    "please tell me explain".split()
+)
+
+
+def query_terms(query: str) -> list[str]:
+    """The words of a query (`\\w+`), deduplicated case-insensitively, question words dropped
+    when other words remain, at most MAX_TERMS."""
+    seen: dict[str, str] = {}
+    for term in re.findall(r"\w+", query[:MAX_QUERY_CHARS]):
+        seen.setdefault(term.lower(), term)
+    terms = list(seen.values())
+    content = [term for term in terms if term.lower() not in STOPWORDS]
+    return (content or terms)[:MAX_TERMS]
+
+
+def fts_match_expression(query: str) -> str | None:
+    """A safe FTS5 MATCH expression (`"a" OR "b"`) for the query, or None when it has no words."""
+    terms = query_terms(query)
+    if not terms:
+        return None
+    return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms)
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256(INDEX_LAYOUT.encode())
+    digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def load_corpus(path: Path = JARGON_CORPUS) -> list[tuple[str, str]]:
+    """(title, text) pairs from a gzip JSON-lines corpus."""
+    entries = []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                item = json.loads(line)
+                entries.append((item["title"], item["text"]))
+    return entries
+
+
+def _fill(db: sqlite3.Connection, corpus: Path) -> None:
+    db.execute(f"CREATE VIRTUAL TABLE entries USING fts5(title, text, tokenize='{TOKENIZER}')")
+    db.executemany("INSERT INTO entries(title, text) VALUES (?, ?)", load_corpus(corpus))
+    db.execute("INSERT INTO entries(entries) VALUES ('optimize')")
+    db.commit()
+
+
+def _memory_index(corpus: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(":memory:", check_same_thread=False)
+    _fill(db, corpus)
+    return db
+
+
+def build_index(corpus: Path, target: Path) -> Path:
+    """Write the FTS5 index for `corpus` to `target` atomically (temp file, then rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        db = sqlite3.connect(tmp)
+        try:
+            _fill(db, corpus)
+        finally:
+            db.close()
+        os.replace(tmp, target)
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
+            leftover.unlink(missing_ok=True)
+    return target
+
+
+class FtsSearch:
+    """SQLite FTS5 over a (title, text) corpus; BM25 with the title weighted 10x."""
+
+    def __init__(self, corpus: Path = JARGON_CORPUS, index_dir: Path | None = None):
+        self.corpus = Path(corpus)
+        self._index_dir = index_dir
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def index_path(self) -> Path:
+        directory = self._index_dir if self._index_dir is not None else cache_dir()
+        return Path(directory) / f"jargon-{_file_hash(self.corpus)}.db"
+
+    def connection(self) -> sqlite3.Connection:
+        """The shared read-only connection, building the index on first use."""
+        with self._lock:
+            return self._connection()
+
+    def _connection(self) -> sqlite3.Connection:
+        # called with self._lock held
+        if self._db is None:
+            try:
+                path = self.index_path
+                if not path.exists():
+                    build_index(self.corpus, path)
+                self._db = sqlite3.connect(
+                    f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False
+                )
+            except (OSError, sqlite3.Error):
+                # e.g. a read-only home: keep a private in-memory index for this process
+                log.warning("cannot use an index file in %s; building it in memory", self._index_dir or "cache_dir()",
+                            exc_info=True)
+                self._db = _memory_index(self.corpus)
+        return self._db
+
+    def search(self, query: str, limit: int = TOOL_RESULTS) -> list[Hit]:
+        match = fts_match_expression(query)
+        if match is None:
+            return []
+        limit = max(1, min(int(limit), 50))
+        with self._lock:  # one shared read-only connection; queries take milliseconds
+            rows = self._connection().execute(
+                "SELECT title, snippet(entries, 1, '[', ']', '…', 12) FROM entries WHERE entries MATCH ? "
+                "ORDER BY bm25(entries, 10.0, 1.0) LIMIT ?",
+                (match, limit + RERANK_EXTRA),
+            ).fetchall()
+        # An entry whose title is exactly the query ("hacker", "TCP/IP") comes first.
+        wanted = [term.lower() for term in query_terms(query)]
+        rows.sort(key=lambda row: [t.lower() for t in re.findall(r"\w+", row[0])] != wanted)
+        return [Hit(title, " ".join(snippet.split())) for title, snippet in rows[:limit]]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+_backend: SearchBackend | None = None
+_backend_lock = threading.Lock()
+
+
+def get_backend() -> SearchBackend:
+    """The shared search backend, created on first use."""
+    global _backend
+    with _backend_lock:
+        if _backend is None:
+            _backend = FtsSearch()
+        return _backend
+
+
+def set_backend(backend: SearchBackend | None) -> None:
+    """Swap the backend (another implementation, or a test double); None resets to the default."""
+    global _backend
+    with _backend_lock:
+        _backend = backend
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(0, limit - 1)].rstrip() + "…"
+
+
+def format_hits(hits: list[Hit], max_chars: int = MAX_OUTPUT_CHARS) -> str:
+    """`title: snippet` lines, shortened so the whole text stays within max_chars."""
+    if not hits:
+        return ""
+    budget = max_chars // len(hits) - 1  # minus the newline
+    lines = []
+    for hit in hits:
+        title = _shorten(hit.title, 40)
+        lines.append(f"{title}: {_shorten(hit.snippet, max(10, budget - len(title) - 2))}")
+    return "\n".join(lines)
+
+
+def search_tool(query: str) -> str:
+    """The Search tool: top hits in the Jargon File as compact text."""
+    if not isinstance(query, str) or not query.strip():
+        raise ToolError("empty query: give a word or phrase to look up")
+    shown = _shorten(" ".join(query.split()), 60)
+    if not query_terms(query):
+        raise ToolError(f'no words to search for in "{shown}"')
+    hits = get_backend().search(query, TOOL_RESULTS)
+    if not hits:
+        return f'no results for "{shown}"'
+    return format_hits(hits)

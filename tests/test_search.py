@@ -1,0 +1,145 @@
+"""Search: FTS5 over the Jargon File, safe against query syntax, read-only and thread-safe."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from app.tools import search
+from app.tools.registry import ToolError
+from app.tools.search import FtsSearch, Hit, JARGON_CORPUS, fts_match_expression, search_tool
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory):
+    """A fresh TEXTENV_CACHE_DIR, so the index is rebuilt by the project's own code."""
+    directory = tmp_path_factory.mktemp("textenv-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TEXTENV_CACHE_DIR", str(directory))
+        yield directory
+
+
+@pytest.fixture(scope="module")
+def backend(cache: Path):
+    fts = FtsSearch()
+    search.set_backend(fts)
+    yield fts
+    search.set_backend(None)
+    fts.close()
+
+
+def test_corpus_is_committed_and_compact() -> None:
+    assert JARGON_CORPUS.exists()
+    assert JARGON_CORPUS.stat().st_size < 3_000_000
+    entries = search.load_corpus()
+    assert len(entries) == 2307
+    assert all(title and text for title, text in entries)
+    assert (JARGON_CORPUS.parent / "SOURCE.md").exists()
+
+
+def test_index_is_built_in_the_cache_dir_and_opened_read_only(backend: FtsSearch, cache: Path) -> None:
+    db = backend.connection()
+    path = backend.index_path
+    assert path.parent == cache and path.name.startswith("jargon-") and path.suffix == ".db"
+    assert path.exists()
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]  # temp file renamed away
+    assert db.execute("SELECT count(*) FROM entries").fetchone()[0] == 2307
+    with pytest.raises(sqlite3.OperationalError):
+        db.execute("INSERT INTO entries(title, text) VALUES ('x', 'y')")
+    with pytest.raises(sqlite3.OperationalError):
+        db.execute("DELETE FROM entries")
+
+
+def test_concurrent_first_builds_are_safe(tmp_path: Path) -> None:
+    backends = [FtsSearch(index_dir=tmp_path) for _ in range(4)]
+    barrier = threading.Barrier(len(backends))
+
+    def first_search(fts: FtsSearch) -> str:
+        barrier.wait()
+        return fts.search("kludge", 1)[0].title
+
+    with ThreadPoolExecutor(len(backends)) as pool:
+        assert list(pool.map(first_search, backends)) == ["kludge"] * len(backends)
+    assert [p.name for p in tmp_path.iterdir()] == [backends[0].index_path.name]
+    for fts in backends:
+        fts.close()
+
+
+@pytest.mark.parametrize("word", ["hacker", "foobar", "kludge", "TCP/IP", "What is a hacker?"])
+def test_known_word_comes_first(backend: FtsSearch, word: str) -> None:
+    expected = word.rstrip("?").split()[-1].lower()
+    assert backend.search(word, 3)[0].title.lower() == expected
+
+
+def test_hit_has_a_marked_snippet(backend: FtsSearch) -> None:
+    hit = backend.search("kludge", 1)[0]
+    assert isinstance(hit, Hit)
+    assert "[" in hit.snippet and "]" in hit.snippet
+    assert "\n" not in hit.snippet
+
+
+BREAKERS = ["C++", "what's", '"unbalanced', "AND", "a OR", "(x", "C#", "foo:bar", "-x", "*", "NEAR(",
+            "NOT", "x AND", "title:hacker", "^kludge", "hack*", "'; DROP TABLE entries; --", '""', "\\", "é"]
+
+
+@pytest.mark.parametrize("query", BREAKERS)
+def test_fts_syntax_cannot_break_a_query(backend: FtsSearch, query: str) -> None:
+    backend.search(query, 3)  # no sqlite3 error
+    try:
+        text = search_tool(query)
+    except ToolError as exc:
+        assert "words to search" in str(exc) or "empty" in str(exc)
+    else:
+        assert text and len(text) <= 400
+
+
+@pytest.mark.parametrize("query", ["", "   ", "\n"])
+def test_empty_query_is_a_clear_error(backend: FtsSearch, query: str) -> None:
+    with pytest.raises(ToolError, match="empty query"):
+        search_tool(query)
+    assert backend.search(query, 3) == []
+
+
+def test_match_expression_quotes_every_term() -> None:
+    assert fts_match_expression('C++ "x" foo:bar') == '"C" OR "x" OR "foo" OR "bar"'
+    assert fts_match_expression("what is a kludge") == '"kludge"'
+    assert fts_match_expression("AND") == '"AND"'  # quoted: a word, not the operator
+    assert fts_match_expression("*+-()") is None
+
+
+def test_tool_output_is_short(backend: FtsSearch) -> None:
+    text = search_tool("hacker")
+    lines = text.split("\n")
+    assert len(lines) == 3
+    assert lines[0].startswith("hacker: ")
+    assert len(text) <= 400
+
+
+def test_no_results(backend: FtsSearch) -> None:
+    assert search_tool("zzqxjv") == 'no results for "zzqxjv"'
+
+
+def test_concurrent_searches(backend: FtsSearch) -> None:
+    queries = ["hacker", "foobar", "kludge", "C++", "what's", "cruft", "grok", "wizard"] * 10
+    expected = {q: backend.search(q, 3) for q in set(queries)}
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda q: (q, backend.search(q, 3), search_tool(q)), queries))
+    for query, hits, text in results:
+        assert hits == expected[query]
+        assert text.startswith(hits[0].title)
+
+
+def test_backend_is_swappable() -> None:
+    class Fixed:
+        def search(self, query: str, limit: int) -> list[Hit]:
+            return [Hit("answer", f"you asked {query}")][:limit]
+
+    search.set_backend(Fixed())
+    try:
+        assert search_tool("anything") == "answer: you asked anything"
+    finally:
+        search.set_backend(None)
