@@ -49,7 +49,8 @@ _REPLACEMENTS = {
 }
 # 1,000 / 12,345,678 / 1,234.5: a 1-3 digit group at the start of a number, then groups of
 # exactly three digits. A comma followed by a space, or by a group of another size, is left
-# alone, so `log(8,2)` and `log(100, 10)` keep their argument commas.
+# alone, so `log(8,2)` and `log(100, 10)` keep their argument commas; `log(100,100)` (one comma,
+# directly inside log) is read as log(x, base) too.
 _THOUSANDS = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)")
 
 _OPERATOR_NAMES = {
@@ -311,12 +312,20 @@ _BINARY: dict[type, Callable[[Number, Number], Number]] = {
 # --- parsing and checking -------------------------------------------------------------------
 
 
+def _merge_thousands(match: re.Match[str]) -> str:
+    number = match.group(0)
+    before, after = match.string[: match.start()].rstrip(), match.string[match.end() :].lstrip()
+    if number.count(",") == 1 and before.lower().endswith("log(") and after.startswith(")"):
+        return number  # log(100,100): the two arguments of log(x, base)
+    return number.replace(",", "")
+
+
 def _prepare(expression: str) -> str:
     text = expression.strip()
     for old, new in _REPLACEMENTS.items():
         text = text.replace(old, new)
     text = re.sub(r"[\s=]+$", "", text)  # "12*3 =" -> "12*3"
-    text = _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), text)
+    text = _THOUSANDS.sub(_merge_thousands, text)
     return text
 
 
