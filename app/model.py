@@ -82,6 +82,9 @@ def _converted_dir(model_id: str, gguf_file: str) -> Path:
 
 def _load_pretrained(source: str, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # progress bars would clutter the CLI's stderr and the server log
 
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)

@@ -1,0 +1,103 @@
+"""Command line: run episodes (`ask`) or a single tool (`tool`). User mistakes print one line to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from app.decoding import Limit, StopReason
+from app.engine import Episode, InputError, Settings, SegmentFinished, TextDelta, EpisodeFinished
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description="TextEnv Chat: a model that answers in "
+                                     "segments and calls tools between them.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ask = sub.add_parser("ask", help="answer questions (several run as one batch)")
+    ask.add_argument("questions", nargs="+", metavar="QUESTION")
+    ask.add_argument("--no-cache", action="store_true", help="recompute everything for every segment")
+    ask.add_argument("--max-length", type=int, default=Settings.max_length, help="token budget of the session")
+    ask.add_argument("--max-new-tokens", type=int, default=Settings.max_new_tokens, help="tokens per segment")
+    ask.add_argument("--max-turns", type=int, default=Settings.max_turns, help="tool calls per answer")
+    ask.add_argument("--max-tool-response", type=int, default=Settings.max_tool_response, help="characters")
+    ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ask.add_argument("--top-p", type=float, default=1.0)
+    ask.add_argument("--seed", type=int, default=0)
+    ask.add_argument("--prompt", type=Path, help="a few-shot system prompt file ({tools} lists the tools)")
+    ask.add_argument("--tools", help="comma-separated tool names, e.g. Calculator,Search")
+    ask.add_argument("--json", action="store_true", help="one JSON object per question, one per line")
+    tool = sub.add_parser("tool", help="run one tool and print what the model would read")
+    tool.add_argument("name")
+    tool.add_argument("input")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _tool(args) if args.command == "tool" else _ask(args)
+    except (InputError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _tool(args) -> int:
+    from app.tools.registry import default_tools, find_tool, run_tool
+
+    tools = default_tools()
+    tool = find_tool(tools, args.name)
+    result = run_tool(tools, tool.name if tool else args.name, args.input)
+    print(result.text, file=sys.stdout if result.ok else sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _ask(args) -> int:
+    from app.engine import Engine
+    from app.model import load_model
+    from app.tools.registry import get_tools
+
+    settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
+                        max_tool_response=args.max_tool_response, temperature=args.temperature,
+                        top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed)
+    tools = get_tools(args.tools.split(",") if args.tools else None)
+    prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
+    engine = Engine(load_model(), tools=tools, prompt=prompt)
+    settings.validated(engine.context_limit)
+    for event in engine.stream_batch(args.questions, settings):
+        if args.json:
+            if isinstance(event, EpisodeFinished):
+                print(json.dumps(event.episode.to_json(), ensure_ascii=False), flush=True)
+        elif isinstance(event, TextDelta):
+            print(event.text, end="", flush=True)
+        elif isinstance(event, SegmentFinished):
+            print(_describe(event.segment), flush=True)
+        elif isinstance(event, EpisodeFinished):
+            print(_summary(event.episode), flush=True)
+    return 0
+
+
+def stop_label(stop) -> str:
+    """A stop reason in the words a reader takes in at a glance."""
+    if stop.reason is StopReason.STRING_MATCH:
+        return f"string match {stop.string}"
+    if stop.reason is StopReason.EOS:
+        return "EOS"
+    if stop.reason is StopReason.MAX_LENGTH:
+        return "max_length (this segment's max_new_tokens)" if stop.limit is Limit.MAX_NEW_TOKENS else "max_length"
+    return "stopped by user"
+
+
+def _describe(segment) -> str:
+    if segment.kind == "tool":
+        return f"{segment.text}\n  [tool {segment.tool or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
+    return (f"\n  [{stop_label(segment.stop)} · {segment.prefill_tokens} new tokens prefilled, "
+            f"{segment.cached_tokens} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
+
+
+def _summary(episode: Episode) -> str:
+    return (f"answer: {episode.answer}\n  [{episode.total_tokens} tokens in session · prefilled "
+            f"{episode.prefill_tokens}, reused {episode.reused_tokens} · {episode.ms:.0f} ms]\n")
