@@ -1,0 +1,107 @@
+"""Shared fixtures: the real bundled model (loaded once), tiny random-weight llama and gpt2 models on its
+tokenizer, and a wrapper that forces chosen tokens so deterministic tool loops run on real forward passes."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from app.model import LoadedModel, load_model, wrap
+from app.protocol import encode
+
+
+@pytest.fixture(scope="session")
+def real() -> LoadedModel:
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(real):
+    return real.tokenizer
+
+
+def _tiny(kind: str, tokenizer) -> LoadedModel:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vocab = len(tokenizer)
+    if kind == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=4096,
+                         bos_token_id=1, eos_token_id=2)
+        model = GPT2LMHeadModel(cfg)
+    return wrap(model, tokenizer, f"tiny-{kind}")
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt2"])
+def tiny(request, tokenizer) -> LoadedModel:
+    return _tiny(request.param, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tokenizer) -> LoadedModel:
+    return _tiny("llama", tokenizer)
+
+
+class ForcedModel(torch.nn.Module):
+    """Wraps a real model: every forward pass runs it (through the real KV cache), records the raw logits,
+    then, if a token is planned for this step, makes that token the argmax. One forward pass = one step."""
+
+    def __init__(self, base: torch.nn.Module, plan: dict[int, int] | None = None):
+        super().__init__()
+        self.base = base
+        self.config = base.config
+        self.plan = dict(plan or {})
+        self.step = 0
+        self.raw: list[torch.Tensor] = []
+        self.fed: list[int] = []
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def forward(self, input_ids, **kwargs):
+        out = self.base(input_ids=input_ids, **kwargs)
+        logits = out.logits
+        self.raw.append(logits[0, -1].clone())
+        self.fed.append(input_ids.shape[1])
+        forced = self.plan.get(self.step)
+        if forced is not None:
+            logits = logits.clone()
+            logits[0, -1, forced] = logits[0, -1].max() + 100.0
+            out.logits = logits
+        self.step += 1
+        return out
+
+
+def forced(loaded: LoadedModel, plan: dict[int, int] | None = None, eos_ids: frozenset[int] | None = None) -> LoadedModel:
+    """A LoadedModel whose model is a ForcedModel over `loaded`'s (same tokenizer, fresh lock)."""
+    return dataclasses.replace(loaded, model=ForcedModel(loaded.model, plan),
+                               eos_ids=loaded.eos_ids if eos_ids is None else eos_ids,
+                               lock=threading.RLock())
+
+
+def plan_text(tokenizer, *pieces: tuple[int, str]) -> dict[int, int]:
+    """{step: token} forcing each text piece's tokens starting at the given step."""
+    plan = {}
+    for first, text in pieces:
+        for i, token in enumerate(encode(tokenizer, text)):
+            plan[first + i] = token
+    return plan
+
+
+def prime(engine):
+    """A new session whose shared prompt is already prefilled, with the forced model's step count reset,
+    so plan step 0 is the first generated token."""
+    session = engine.new_session()
+    model = engine.loaded.model
+    if isinstance(model, ForcedModel):
+        model.step, model.raw, model.fed = 0, [], []
+    return session

@@ -1,0 +1,177 @@
+"""Every way a segment stops, recorded by the code that stopped it (forced tokens on a tiny random llama)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from app.decoding import Limit, StopReason
+from app.engine import Engine, EpisodeFinished, InputError, Settings, TextDelta
+from app.protocol import encode
+from tests.conftest import forced, plan_text, prime
+
+PROMPT = "Answer with tools.\n{tools}\n\n"
+
+
+def run(loaded, question="What is 2+3?", **settings):
+    engine = Engine(loaded, prompt=PROMPT)
+    session = prime(engine)
+    episode = engine.ask(session, question, Settings(**settings))
+    session.cache.check()
+    return engine, session, episode
+
+
+def test_string_at_segment_end(tiny_llama, tokenizer):
+    call = "<request><Calculator>2+3<call>"
+    model = forced(tiny_llama, plan_text(tokenizer, (0, call), (len(encode(tokenizer, call)), "\nResult = 5<submit>")))
+    _, session, episode = run(model, max_new_tokens=40)
+    first, tool, last = episode.segments
+    assert (first.stop.reason, first.stop.string) == (StopReason.STRING_MATCH, "<call>")
+    assert first.text == "<request><Calculator>2+3<call>"
+    assert first.generated_tokens == len(encode(tokenizer, "<request><Calculator>2+3<call>"))
+    assert (tool.kind, tool.tool, tool.query, tool.text) == ("tool", "Calculator", "2+3", "5<response>")
+    assert (last.stop.reason, last.stop.string) == (StopReason.STRING_MATCH, "<submit>")
+    assert episode.answer == "Result = 5"
+
+
+def test_string_ending_inside_a_token_keeps_that_token_and_nothing_after(tiny_llama, tokenizer):
+    # "><" is one token: "<call" + "><" completes "<call>" inside it, one character before the token ends.
+    inside = tokenizer.convert_tokens_to_ids("><")
+    plan = plan_text(tokenizer, (0, "<request><Calculator>2+3<call"))
+    step = len(plan)
+    plan[step] = inside
+    plan.update(plan_text(tokenizer, (step + 1, "junk after the stop")))
+    _, session, episode = run(forced(tiny_llama, plan), max_new_tokens=60, max_turns=0)
+    segment = episode.segments[0]
+    assert segment.stop.string == "<call>"
+    assert segment.generated_tokens == step + 1
+    assert session.cache.ids[segment.end - 1] == inside
+    assert segment.text.endswith("<call><")
+    assert "junk" not in segment.text
+
+
+def test_eos(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "Hello there"))
+    plan[len(plan)] = 2
+    _, _, episode = run(forced(tiny_llama, plan))
+    (segment,) = episode.segments
+    assert segment.stop.reason is StopReason.EOS
+    assert (segment.stop.string, segment.stop.limit) == (None, None)
+    assert episode.answer == "Hello there"
+
+
+def test_eos_and_stop_string_on_the_same_token_is_a_string_match(tiny_llama, tokenizer):
+    gt = tokenizer.convert_tokens_to_ids(">")
+    plan = plan_text(tokenizer, (0, "1+1<call>"))  # its only ">" completes "<call>"
+    model = forced(tiny_llama, plan, eos_ids=frozenset({2, gt}))  # ">" is also an EOS token
+    _, _, episode = run(model, max_turns=0)
+    first = episode.segments[0]
+    assert first.stop.reason is StopReason.STRING_MATCH and first.stop.string == "<call>"
+
+
+def test_eos_token_that_completes_no_string_is_eos(tiny_llama, tokenizer):
+    gt = tokenizer.convert_tokens_to_ids(">")
+    plan = plan_text(tokenizer, (0, "a <b>"))
+    assert plan[len(plan) - 1] == gt
+    _, _, episode = run(forced(tiny_llama, plan, eos_ids=frozenset({2, gt})))
+    assert episode.segments[0].stop.reason is StopReason.EOS
+
+
+def test_max_new_tokens(tiny_llama):
+    _, _, episode = run(forced(tiny_llama, {i: 1000 + i for i in range(20)}), max_new_tokens=5)
+    (segment,) = episode.segments
+    assert (segment.stop.reason, segment.stop.limit) == (StopReason.MAX_LENGTH, Limit.MAX_NEW_TOKENS)
+    assert segment.generated_tokens == 5
+
+
+def test_max_length_batch_size_1(tiny_llama):
+    model = forced(tiny_llama, {i: 1000 + i for i in range(50)})
+    engine = Engine(model, prompt=PROMPT)
+    session = prime(engine)
+    budget = len(session.cache) + 12 + 3
+    episode = engine.ask(session, "What is 2+3?", Settings(max_new_tokens=50, max_length=budget))
+    (segment,) = episode.segments
+    assert (segment.stop.reason, segment.stop.limit) == (StopReason.MAX_LENGTH, Limit.MAX_LENGTH)
+    assert len(session.cache) == budget == episode.total_tokens
+
+
+def test_max_length_in_a_batch_never_exceeded(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "<request><Calculator>2+3<call>"))
+    engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
+    prompt_len = len(prime(engine).cache)
+    budget = prompt_len + 20
+    episodes = engine.run(["What is 2+3?", "What is 4+4?", "Hi"], Settings(max_new_tokens=50, max_length=budget))
+    assert len(episodes) == 3
+    for episode in episodes:
+        assert episode.total_tokens <= budget
+        assert episode.stop.reason is StopReason.MAX_LENGTH and episode.stop.limit is Limit.MAX_LENGTH
+
+
+def test_tool_output_filling_the_budget_leaves_a_max_length_segment(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "<request><Calculator>2**200<call>"))
+    engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
+    session = prime(engine)
+    query = len(encode(tokenizer, "Q: big?\n"))
+    budget = len(session.cache) + query + len(encode(tokenizer, "<request><Calculator>2**200<call>")) + 4
+    episode = engine.ask(session, "big?", Settings(max_length=budget, max_new_tokens=60))
+    model_segments = episode.model_segments
+    assert [s.kind for s in episode.segments] == ["model", "tool", "model"]
+    assert model_segments[-1].stop.limit is Limit.MAX_LENGTH and model_segments[-1].generated_tokens == 0
+    assert len(session.cache) == budget
+
+
+def test_prompt_alone_over_max_length_is_a_clear_error(tiny_llama):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    session = engine.new_session()
+    with pytest.raises(InputError, match="context is full"):
+        engine.ask(session, "What is 2+3?", Settings(max_length=len(session.cache) + 2))
+    assert session.episodes == [] and len(session.cache) == session.prompt_tokens  # nothing half-added
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(max_length=0), dict(max_turns=-1),
+                                 dict(temperature=-1), dict(top_p=0), dict(max_length=10**9)])
+def test_bad_settings_are_clear_errors(tiny_llama, bad):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    with pytest.raises(InputError, match="must be"):
+        engine.ask(engine.new_session(), "hi", Settings(**bad))
+
+
+@pytest.mark.parametrize("question", ["", "   ", "x" * 5000])
+def test_bad_questions_are_clear_errors(tiny_llama, question):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    with pytest.raises(InputError, match="empty|too long"):
+        engine.ask(engine.new_session(), question)
+
+
+def test_cancel_stops_between_tokens_and_keeps_the_session_consistent(tiny_llama):
+    engine = Engine(forced(tiny_llama, {i: 1000 + i for i in range(100)}), prompt=PROMPT)
+    session = prime(engine)
+    cancel = threading.Event()
+    deltas = 0
+    for event in engine.turn(session, "count", Settings(max_new_tokens=100), cancel=cancel):
+        if isinstance(event, TextDelta):
+            deltas += 1
+            if deltas == 3:
+                cancel.set()
+        if isinstance(event, EpisodeFinished):
+            episode = event.episode
+    (segment,) = episode.segments
+    assert segment.stop.reason is StopReason.CANCELLED and segment.generated_tokens == 3
+    session.cache.check()
+    # The session goes on: the next turn prefills only its new tokens.
+    nxt = engine.ask(session, "again", Settings(max_new_tokens=2))
+    assert nxt.segments[0].cached_tokens == len(session.cache) - nxt.segments[0].generated_tokens - nxt.segments[0].prefill_tokens
+
+
+def test_closing_the_stream_records_the_partial_segment(tiny_llama):
+    engine = Engine(forced(tiny_llama, {i: 1000 + i for i in range(100)}), prompt=PROMPT)
+    session = prime(engine)
+    stream = engine.turn(session, "count", Settings(max_new_tokens=100))
+    for _ in range(6):
+        next(stream)
+    stream.close()  # what a web framework does when the browser goes away
+    (episode,) = session.episodes
+    assert episode.finished and episode.segments[0].stop.reason is StopReason.CANCELLED
+    assert episode.segments[0].end == len(session.cache)
+    session.cache.check()
