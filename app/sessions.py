@@ -1,0 +1,165 @@
+"""Server-side store of chat sessions, keyed by the web session id (e.g. Gradio's session hash).
+
+No Gradio imports: the page hands in a key string. Each entry holds an engine Session (token ids, history,
+KV cache), the key of the engine that owns it (its tool set), a cancel Event for the stop button, and notes
+to show above the chat. Memory is bounded by a byte budget over the KV caches: when the total goes over,
+the least recently used sessions lose their KV (`cache.drop_kv()`, ids and history are kept; their next turn
+recomputes). Idle sessions are deleted after a timeout, and a session is freed when its page unloads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.engine import Session
+
+log = logging.getLogger(__name__)
+
+MB = 1024 * 1024
+
+
+def budget_from_env(default_mb: float = 512) -> int:
+    """KV byte budget from KV_BUDGET_MB."""
+    return int(float(os.environ.get("KV_BUDGET_MB", default_mb)) * MB)
+
+
+def idle_timeout_from_env(default_s: float = 3600) -> float:
+    """Seconds of inactivity after which a session is deleted, from SESSION_IDLE_TIMEOUT_S."""
+    return float(os.environ.get("SESSION_IDLE_TIMEOUT_S", default_s))
+
+
+@dataclass
+class Entry:
+    """One visitor's chat: the engine session (None until the first turn) and what belongs with it."""
+
+    session: Session | None = None
+    engine_key: tuple[str, ...] | None = None  # the tool set the session's system prompt lists
+    cancel: threading.Event = field(default_factory=threading.Event)
+    notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.session.cache.nbytes if self.session is not None else 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    sessions: int
+    kv_bytes: int
+    budget_bytes: int
+
+
+class SessionStore:
+    """Thread-safe dict of Entry by key, in least-recently-used order, with a KV byte budget and idle timeout."""
+
+    def __init__(self, budget_bytes: int | None = None, idle_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.budget_bytes = budget_from_env() if budget_bytes is None else budget_bytes
+        self.idle_timeout_s = idle_timeout_from_env() if idle_timeout_s is None else idle_timeout_s
+        self._clock = clock
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._lock = threading.Lock()  # guards the dict only; each engine Session has its own lock
+
+    # ---- access ---------------------------------------------------------------------------------------------
+    def get(self, key: str) -> Entry:
+        """The entry for a key, created when missing, marked as just used."""
+        self.sweep()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = Entry(last_used=self._clock())
+            else:
+                entry.last_used = self._clock()
+                self._entries.move_to_end(key)
+            return entry
+
+    def peek(self, key: str) -> Entry | None:
+        """The entry if present, without creating it or marking it used."""
+        with self._lock:
+            return self._entries.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def cancel(self, key: str) -> bool:
+        """Ask the key's running turn to stop between tokens; False when there is no such session."""
+        entry = self.peek(key)
+        if entry is None:
+            return False
+        entry.cancel.set()
+        return True
+
+    def reset(self, key: str) -> Entry:
+        """A new chat: the session's history and cache go, the entry (and its cancel Event) stay."""
+        entry = self.get(key)
+        entry.cancel.set()  # a turn still running for this key stops at its next token
+        entry.session, entry.engine_key, entry.notes = None, None, []
+        return entry
+
+    def remove(self, key: str) -> bool:
+        """Free a session (page closed). A turn still running stops at its next token."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        entry.cancel.set()
+        return True
+
+    # ---- limits ---------------------------------------------------------------------------------------------
+    def sweep(self) -> list[str]:
+        """Delete sessions idle for longer than the timeout; return their keys."""
+        now = self._clock()
+        with self._lock:
+            expired = [k for k, e in self._entries.items() if now - e.last_used > self.idle_timeout_s]
+            for key in expired:
+                self._entries.pop(key).cancel.set()
+        if expired:
+            log.info("deleted %d idle session(s)", len(expired))
+        return expired
+
+    def enforce_budget(self) -> list[str]:
+        """Drop the KV of least recently used sessions until the total fits the budget; return their keys.
+
+        Ids and history stay, so those sessions continue (recomputing their cache on the next turn). A session
+        whose turn is running (its lock is held) is skipped: its cache is in use.
+        """
+        dropped: list[str] = []
+        with self._lock:
+            entries = list(self._entries.items())  # oldest first
+        total = sum(e.kv_bytes for _, e in entries)
+        for key, entry in entries:
+            if total <= self.budget_bytes:
+                break
+            session = entry.session
+            if session is None or session.cache.nbytes == 0:
+                continue
+            if not session.lock.acquire(blocking=False):
+                continue
+            try:
+                freed = session.cache.nbytes
+                session.cache.drop_kv()
+            finally:
+                session.lock.release()
+            total -= freed
+            dropped.append(key)
+        if dropped:
+            log.info("KV budget: dropped the cache of %d session(s)", len(dropped))
+        return dropped
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            entries = list(self._entries.values())
+        return StoreStats(sessions=len(entries), kv_bytes=sum(e.kv_bytes for e in entries),
+                          budget_bytes=self.budget_bytes)

@@ -1,0 +1,123 @@
+"""Chat rendering: engine episodes and segments -> Chatbot messages (role/content/metadata dicts).
+
+Pure functions, testable without a server. Every segment is its own message: model text with a footer that
+names its stop reason and token counts, and each tool call as a collapsible part titled with the tool and
+query, holding the result. Model and tool text is escaped, so `<call>` shows as text instead of vanishing
+as an unknown HTML tag, and `*`, `_`, `#` stay literal instead of turning into markdown.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+from app.decoding import Limit, Stop, StopReason
+from app.engine import Episode, Segment
+
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~$])")
+
+
+def escape_text(text: str) -> str:
+    """Text shown literally in a markdown+HTML message: markdown punctuation backslash-escaped, <>& as entities."""
+    return html.escape(_MARKDOWN_SPECIALS.sub(r"\\\1", text), quote=False)
+
+
+def code(text: str) -> str:
+    """Inline code span that survives any backticks in text."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def stop_text(stop: Stop | None) -> str:
+    """A stop reason in words: `string match <call>`, `EOS`, `max_length (max_new_tokens)`, `stopped by user`."""
+    if stop is None:
+        return "running"
+    if stop.reason is StopReason.STRING_MATCH:
+        return f"string match {stop.string}"
+    if stop.reason is StopReason.EOS:
+        return "EOS"
+    if stop.reason is StopReason.MAX_LENGTH:
+        limit = "max_new_tokens" if stop.limit is Limit.MAX_NEW_TOKENS else "session max_length"
+        return f"max_length ({limit})"
+    if stop.reason is StopReason.CANCELLED:
+        return "stopped by user"
+    return str(stop.reason.value)
+
+
+def stop_markdown(stop: Stop | None) -> str:
+    """The stop reason for a message footer; stop strings in code formatting so they render visibly."""
+    if stop is not None and stop.reason is StopReason.STRING_MATCH and stop.string:
+        return f"string match {code(stop.string)}"
+    return escape_text(stop_text(stop))
+
+
+def segment_footer(segment: Segment) -> str:
+    return (
+        f"stop: {stop_markdown(segment.stop)} · prefill {segment.prefill_tokens} new tokens · "
+        f"{segment.cached_tokens} reused from cache · {segment.generated_tokens} generated · {segment.ms:.0f} ms"
+    )
+
+
+def _body(text: str) -> str:
+    text = text.strip("\n")
+    return escape_text(text) if text.strip() else "*(no text)*"
+
+
+def model_message(segment: Segment) -> dict:
+    return {"role": "assistant", "content": f"{_body(segment.text)}\n\n*{segment_footer(segment)}*"}
+
+
+def pending_model_message(text: str) -> dict:
+    """The model segment being generated, before its stop reason is known."""
+    body = escape_text(text.strip("\n")) if text.strip() else ""
+    return {"role": "assistant", "content": f"{body}\n\n*generating…*" if body else "*generating…*"}
+
+
+def tool_title(segment: Segment) -> str:
+    if segment.tool is None:
+        return "Tool call (malformed)"
+    return f"🔧 {segment.tool}: {segment.query or ''}"
+
+
+def tool_message(segment: Segment) -> dict:
+    """A collapsible part: title = tool and query, body = the result the model reads (with `<response>`)."""
+    return {
+        "role": "assistant",
+        "content": escape_text(segment.text.strip("\n")) or "*(empty result)*",
+        "metadata": {
+            "title": escape_text(tool_title(segment)),
+            "log": "ok" if segment.ok else "error",
+            "duration": round(segment.ms / 1000, 3),
+        },
+    }
+
+
+def segment_message(segment: Segment) -> dict:
+    return model_message(segment) if segment.kind == "model" else tool_message(segment)
+
+
+def user_message(question: str) -> dict:
+    return {"role": "user", "content": escape_text(question)}
+
+
+def note_message(note: str) -> dict:
+    return {"role": "assistant", "content": escape_text(note), "metadata": {"title": "Note"}}
+
+
+def episode_messages(episode: Episode, partial: str | None = None) -> list[dict]:
+    """One question and its segments; `partial` is the text of a model segment still being generated."""
+    messages = [user_message(episode.question)]
+    messages.extend(segment_message(s) for s in episode.segments)
+    if partial is not None:
+        messages.append(pending_model_message(partial))
+    return messages
+
+
+def chat_messages(episodes: list[Episode], notes: list[str] = (), partial: str | None = None) -> list[dict]:
+    """The whole conversation; `partial` belongs to the last episode."""
+    messages = [note_message(n) for n in notes]
+    for i, episode in enumerate(episodes):
+        messages.extend(episode_messages(episode, partial if i == len(episodes) - 1 else None))
+    return messages

@@ -1,0 +1,247 @@
+"""Event handlers: one ChatService per process holds the shared model, one Engine per tool set and the
+server-side SessionStore. The page's Gradio session hash keys the store; no user state lives in globals or
+in gr.State (KV tensors would be deep-copied per visitor and kept an hour).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import gradio as gr
+
+from app.engine import (Engine, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session, Settings,
+                        TextDelta)
+from app.model import LoadedModel
+from app.sessions import Entry, SessionStore
+from app.tools.registry import default_tools
+from components.chat import chat_messages
+from components.stats import stats_markdown
+from components.tokens import token_spans
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True)
+SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
+                "use_cache", "seed")
+
+
+def tool_names() -> list[str]:
+    return list(default_tools())
+
+
+def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature) -> Settings:
+    """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors."""
+    def number(name, value, kind):
+        if value is None or value == "":
+            raise InputError(f"{name} is empty; enter a number")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise InputError(f"{name} must be a number, not {value!r}") from None
+        if kind is int and not as_float.is_integer():
+            raise InputError(f"{name} must be a whole number, not {value!r}")
+        return kind(as_float)
+
+    return dataclasses.replace(
+        DEFAULTS,
+        use_cache=bool(use_cache),
+        max_length=number("max_length", max_length, int),
+        max_new_tokens=number("max_new_tokens", max_new_tokens, int),
+        max_turns=number("max_turns", max_turns, int),
+        temperature=number("temperature", temperature, float),
+    )
+
+
+def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None]:
+    """API settings: any Settings field plus `tools` (list of names); unknown keys are errors."""
+    values = dict(values or {})
+    tools = values.pop("tools", None)
+    unknown = sorted(set(values) - set(SETTING_KEYS))
+    if unknown:
+        raise InputError(f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(SETTING_KEYS)}, tools)")
+    try:
+        settings = dataclasses.replace(DEFAULTS, **values)
+    except TypeError as error:
+        raise InputError(f"bad settings: {error}") from None
+    for name in SETTING_KEYS:
+        value = getattr(settings, name)
+        expected = bool if name == "use_cache" else (float if name in ("temperature", "top_p") else int)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise InputError(f"setting {name} must be {expected.__name__}, got {value!r}")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
+        raise InputError("setting tools must be a list of tool names")
+    return settings, tools
+
+
+class ChatService:
+    """The process's shared pieces: model (loaded lazily, once), engines by tool set, the session store."""
+
+    def __init__(self, loader: Callable[[], LoadedModel] | None = None, store: SessionStore | None = None):
+        self._loader = loader
+        self._loaded: LoadedModel | None = None
+        self._engines: dict[tuple[str, ...], Engine] = {}
+        self._lock = threading.Lock()
+        self.store = store or SessionStore()
+
+    # ---- shared model and engines ---------------------------------------------------------------------------
+    @property
+    def loaded(self) -> LoadedModel:
+        with self._lock:
+            if self._loaded is None:
+                if self._loader is None:
+                    from app.model import load_model
+                    self._loader = load_model
+                self._loaded = self._loader()
+            return self._loaded
+
+    def engine_for(self, tools: Sequence[str] | None) -> Engine:
+        """The engine for a tool subset (None: every tool); engines share the model and are built once."""
+        available = default_tools()
+        if tools is None:
+            tools = list(available)
+        unknown = [t for t in tools if t not in available]
+        if unknown:
+            raise InputError(f"unknown tool(s) {', '.join(unknown)} (available: {', '.join(available)})")
+        key = tuple(name for name in available if name in tools)
+        loaded = self.loaded
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is None:
+                engine = self._engines[key] = Engine(loaded, tools={n: available[n] for n in key})
+            return engine
+
+    def warm_up(self) -> None:
+        """Load the model and prefill the default system prompt once, before the first visitor."""
+        self.engine_for(None).new_session()
+
+    def decode(self, ids: list[int]) -> str:
+        loaded = self.loaded
+        with loaded.lock:
+            return loaded.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ---- sessions -------------------------------------------------------------------------------------------
+    def prepare(self, entry: Entry, engine: Engine, settings: Settings) -> Session:
+        """The entry's session for this engine: created when missing; a different tool set starts a new chat."""
+        key = tuple(engine.tools)
+        if entry.session is not None and entry.engine_key != key:
+            if entry.session.episodes:
+                listed = ", ".join(key) or "none"
+                entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
+            entry.session = None
+        if entry.session is None:
+            entry.session = engine.new_session(use_cache=settings.use_cache, seed=settings.seed)
+            entry.engine_key = key
+        return entry.session
+
+    def token_view(self, session: Session | None) -> list[tuple[str, str]]:
+        if session is None:
+            return []
+        return token_spans(session.cache.ids, session.spans(), self.decode)
+
+    def stats(self, session: Session | None) -> str:
+        return stats_markdown(session, self.store.stats())
+
+    # ---- page events ----------------------------------------------------------------------------------------
+    def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
+             request: gr.Request) -> Iterator[tuple]:
+        """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield."""
+        key = request.session_hash
+        entry = self.store.get(key)
+        session = entry.session
+        message = message or ""
+
+        def view(status, textbox=None, partial=None, full=False):
+            current = entry.session
+            textbox = gr.skip() if textbox is None else textbox
+            chat = chat_messages(current.episodes if current else [], entry.notes, partial)
+            if not full:
+                return chat, textbox, status, gr.skip(), gr.skip()
+            return chat, textbox, status, self.token_view(current), self.stats(current)
+
+        yield view("running", textbox="")
+        try:
+            settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
+            engine = self.engine_for(list(tools or []))
+            settings = settings.validated(engine.context_limit)
+            session = self.prepare(entry, engine, settings)
+            entry.cancel.clear()
+            partial: str | None = None
+            for event in engine.turn(session, message, settings, cancel=entry.cancel):
+                if entry.session is not session:  # new chat (or page closed) while this turn ran
+                    break
+                if isinstance(event, SegmentStarted):
+                    partial = "" if event.kind == "model" else None
+                    yield view("running", partial=partial)
+                elif isinstance(event, TextDelta):
+                    partial = (partial or "") + event.text
+                    yield view("running", partial=partial)
+                elif isinstance(event, SegmentFinished):
+                    partial = None
+                    yield view("running", full=True)
+                elif isinstance(event, EpisodeFinished):
+                    pass
+            self.store.enforce_budget()
+            yield view("done", full=True)
+        except InputError as error:
+            gr.Warning(str(error))
+            yield view(f"error: {error}", textbox=message, full=True)
+        except Exception as error:  # handler boundary: log it, show it, keep the session and the server
+            log.exception("turn failed for session %s", key)
+            gr.Warning(f"internal error: {error}")
+            yield view(f"error: internal error ({type(error).__name__}: {error})", textbox=message, full=True)
+
+    def stop(self, request: gr.Request) -> None:
+        self.store.cancel(request.session_hash)
+
+    def new_chat(self, request: gr.Request) -> tuple:
+        entry = self.store.reset(request.session_hash)
+        return [], "", "new chat", [], self.stats(entry.session)
+
+    def refresh(self, request: gr.Request) -> tuple:
+        """Page load: show this visitor's chat (a reload keeps it while the server holds the session)."""
+        entry = self.store.get(request.session_hash)
+        session = entry.session
+        chat = chat_messages(session.episodes if session else [], entry.notes)
+        return chat, self.token_view(session) if session else [], self.stats(session)
+
+    def unload(self, request: gr.Request) -> None:
+        self.store.remove(request.session_hash)
+
+    # ---- API ------------------------------------------------------------------------------------------------
+    def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings]:
+        values, tools = settings_from_dict(settings)
+        engine = self.engine_for(tools)
+        return engine, values.validated(engine.context_limit)
+
+    def api_ask(self, question: str, settings: dict | None = None) -> dict:
+        """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON)."""
+        try:
+            engine, values = self._api_settings(settings)
+            session = engine.new_session(use_cache=values.use_cache, seed=values.seed)
+            return engine.ask(session, question, values).to_json()
+        except InputError as error:
+            raise gr.Error(str(error)) from None
+
+    def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
+        """Continue this API client's chat (one per client session); yields the growing text of the turn."""
+        try:
+            engine, values = self._api_settings(settings)
+            entry = self.store.get(request.session_hash)
+            session = self.prepare(entry, engine, values)
+            entry.cancel.clear()
+            text = ""
+            for event in engine.turn(session, message, values, cancel=entry.cancel):
+                if isinstance(event, TextDelta):
+                    text += event.text
+                    yield text
+                elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
+                    text += event.segment.text
+                    yield text
+            self.store.enforce_budget()
+        except InputError as error:
+            raise gr.Error(str(error)) from None

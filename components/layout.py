@@ -1,0 +1,83 @@
+"""The Blocks layout and its wiring: chat, controls, token view, settings, stats, examples, API endpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from app.config import ASSETS
+from components.handlers import DEFAULTS, ChatService, tool_names
+from components.tokens import COLOR_MAP
+
+MODEL = "model"  # the one concurrency group of every event that runs the model
+QUEUE_MAX_SIZE = 32
+EXAMPLES = ["What is 41 * 23?", "What does kludge mean?", "Hello, who are you?"]
+
+
+def launch_kwargs() -> dict:
+    """Public-Space launch settings; host and port come from GRADIO_SERVER_NAME / GRADIO_SERVER_PORT."""
+    return {
+        "share": False,
+        "enable_monitoring": False,
+        "theme": gr.themes.Soft(),
+        "css": (ASSETS / "style.css").read_text(encoding="utf-8"),
+        "footer_links": ["api", "gradio"],
+    }
+
+
+def build_demo(service: ChatService | None = None) -> gr.Blocks:
+    service = service or ChatService()
+    with gr.Blocks(title="TextEnv Chat") as demo:
+        gr.Markdown("# TextEnv Chat\nA small model that calls tools (calculator, Jargon File search) "
+                    "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
+        with gr.Row():
+            with gr.Column(scale=3):
+                chat = gr.Chatbot(elem_id="chat", label="Chat", height=520, group_consecutive_messages=False,
+                                  latex_delimiters=[], feedback_options=None, allow_tags=False)
+                msg = gr.Textbox(elem_id="msg", label="Message", placeholder="Ask something…", lines=1,
+                                 max_lines=6, submit_btn=False)
+                with gr.Row():
+                    send = gr.Button("Send", elem_id="send", variant="primary")
+                    stop = gr.Button("Stop", elem_id="stop", variant="stop")
+                    new_chat = gr.Button("New chat", elem_id="new-chat")
+                status = gr.Markdown("ready", elem_id="status")
+                gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
+            with gr.Column(scale=2):
+                with gr.Accordion("Settings", open=True):
+                    use_cache = gr.Checkbox(DEFAULTS.use_cache, label="KV cache", elem_id="use-cache")
+                    max_length = gr.Number(DEFAULTS.max_length, label="max_length (whole session, tokens)",
+                                           elem_id="max-length", precision=0, minimum=1)
+                    max_new_tokens = gr.Number(DEFAULTS.max_new_tokens, label="max_new_tokens (per segment)",
+                                               elem_id="max-new-tokens", precision=0, minimum=1)
+                    max_turns = gr.Number(DEFAULTS.max_turns, label="max_turns (tool calls per answer)",
+                                          elem_id="max-turns", precision=0, minimum=0)
+                    temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05,
+                                            label="temperature (0 = greedy)", elem_id="temperature")
+                    names = tool_names()
+                    tools = gr.CheckboxGroup(names, value=names, label="Tools", elem_id="tools")
+                stats = gr.Markdown(service.stats(None), elem_id="stats")
+                tokens = gr.HighlightedText(label="Tokens (system · user · model · tool)", elem_id="tokens",
+                                            color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
+                                            show_inline_category=False)
+
+        turn_inputs = [msg, use_cache, max_length, max_new_tokens, max_turns, temperature, tools]
+        turn_outputs = [chat, msg, status, tokens, stats]
+        turn = dict(fn=service.chat, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
+                    concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn")
+        send.click(**turn)
+        msg.submit(**{**turn, "api_name": "ui_submit"})
+        # The stop button must not wait behind the running turn: its own group, no limit.
+        stop.click(service.stop, None, None, concurrency_id="stop", concurrency_limit=None,
+                   show_progress="hidden", api_visibility="private", api_name="ui_stop")
+        new_chat.click(service.new_chat, None, [chat, msg, status, tokens, stats], concurrency_id="new-chat",
+                       concurrency_limit=None, show_progress="hidden", api_visibility="private",
+                       api_name="ui_new_chat")
+        demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,
+                  show_progress="hidden", api_visibility="private", api_name="ui_load")
+        demo.unload(service.unload)
+
+        gr.api(service.api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=1)
+        gr.api(service.api_ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=1)
+    demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
+    return demo
