@@ -1,0 +1,148 @@
+"""The KV cache: only new tokens are prefilled, and cached runs equal uncached ones token for token."""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine import Engine, Settings
+from app.kvcache import CacheInvariantError, TokenCache
+from app.protocol import encode
+from tests.conftest import forced, plan_text, prime
+
+import pytest
+
+PROMPT = "Answer with tools.\n{tools}\n\n"
+CALL = "<request><Calculator>12*7<call>"
+
+
+def two_turns(loaded, tokenizer, use_cache: bool):
+    """Two chat turns, the first with a tool call, on real forward passes with a few forced tokens."""
+    first = len(encode(tokenizer, CALL)) + 3
+    plan = plan_text(tokenizer, (3, CALL), (first + 4, "<submit>"))  # free tokens between the forced ones
+    engine = Engine(forced(loaded, plan), prompt=PROMPT)
+    session = prime(engine)
+    settings = Settings(use_cache=use_cache, max_new_tokens=20)
+    episodes = [engine.ask(session, q, settings) for q in ("What is 12 times 7?", "And then?")]
+    return engine, session, episodes
+
+
+def test_cached_and_uncached_give_identical_tokens_and_logits(tiny, tokenizer):
+    _, cached_session, cached = two_turns(tiny, tokenizer, use_cache=True)
+    _, plain_session, plain = two_turns(tiny, tokenizer, use_cache=False)
+    assert cached_session.cache.ids == plain_session.cache.ids
+    assert [s.kind for s in cached[0].segments] == ["model", "tool", "model"]
+    assert [s.stop for s in cached[0].model_segments] == [s.stop for s in plain[0].model_segments]
+    assert [e.answer for e in cached] == [e.answer for e in plain]
+
+
+def test_logits_match_within_1e4(tiny, tokenizer):
+    runs = []
+    for use_cache in (True, False):
+        engine, session, _ = two_turns(tiny, tokenizer, use_cache)
+        runs.append((torch.stack(engine.loaded.model.raw), engine.loaded.model.fed, session.cache.ids))
+    (cached_logits, cached_fed, ids), (plain_logits, plain_fed, ids2) = runs
+    assert ids == ids2
+    assert (cached_logits - plain_logits).abs().max().item() < 1e-4
+    assert sum(cached_fed) < sum(plain_fed) / 2  # the cached run fed far fewer tokens
+
+
+def test_resumed_segment_prefills_only_new_tokens(tiny, tokenizer):
+    _, session, (first, second) = two_turns(tiny, tokenizer, use_cache=True)
+    call, tool, answer = first.segments
+    assert call.prefill_tokens == first.query_end - first.query_start  # just the question
+    assert call.cached_tokens == first.query_start  # the whole prompt came from the shared cache
+    # After a tool call: the tool output plus the one generated token the cache never holds.
+    assert answer.prefill_tokens == (tool.end - tool.start) + 1
+    assert answer.cached_tokens == call.end - 1
+    # A new chat turn: its query plus the last token of the previous turn.
+    assert second.segments[0].prefill_tokens == (second.query_end - second.query_start) + 1
+    for episode in (first, second):
+        for s in episode.model_segments:
+            assert s.prefill_tokens + s.cached_tokens == s.start
+
+
+def test_uncached_prefills_everything(tiny, tokenizer):
+    _, session, (first, _) = two_turns(tiny, tokenizer, use_cache=False)
+    for s in first.model_segments:
+        assert (s.prefill_tokens, s.cached_tokens) == (s.start, 0)
+    assert session.cache.nbytes == 0  # no keys/values held between segments
+
+
+def test_shared_prompt_cache_is_never_mutated(tiny_llama, tokenizer):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    engine.new_session()
+    base = engine._prompt_caches[engine.prompt]
+    ids = list(base.ids)
+    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in base._kv.layers]
+    for question in ("one", "two"):
+        engine.ask(engine.new_session(), question, Settings(max_new_tokens=5))
+    assert base.ids == ids and base.cached == len(ids)
+    for layer, (keys, values) in zip(base._kv.layers, snapshot):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+def test_kv_bytes_are_tokens_times_bytes_per_token(tiny_llama):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    session = engine.new_session()
+    engine.ask(session, "hello", Settings(max_new_tokens=7))
+    assert session.cache.cached == len(session.cache) - 1
+    assert session.cache.nbytes == session.cache.cached * tiny_llama.kv_bytes_per_token
+
+
+def test_batch_equals_single(tiny, tokenizer):
+    questions = ["What is 2+3?", "Define foo", "hello"]
+    engine = Engine(tiny, prompt=PROMPT)
+    settings = Settings(max_new_tokens=6)
+    batch = engine.run(questions, settings, reward_fn=lambda row, ep: float(row))
+    for row, question in enumerate(questions):
+        single = engine.ask(engine.new_session(), question, settings)
+        assert batch[row].token_ids == single.token_ids
+        assert [s.stop for s in batch[row].segments] == [s.stop for s in single.segments]
+        assert batch[row].reward == float(row)
+        assert len(batch[row].mask) == len(batch[row].token_ids)
+        assert sum(batch[row].mask) == sum(s.generated_tokens for s in batch[row].model_segments)
+
+
+def test_switching_cache_off_and_on_mid_session_is_consistent(tiny_llama, tokenizer):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    a, b = engine.new_session(), engine.new_session()
+    for i, use_cache in enumerate([True, False, True]):
+        engine.ask(a, f"q{i}", Settings(max_new_tokens=4, use_cache=use_cache))
+        engine.ask(b, f"q{i}", Settings(max_new_tokens=4))
+    assert a.cache.ids == b.cache.ids
+
+
+def test_invariant_check_catches_a_desynced_cache(tiny_llama):
+    cache = TokenCache([5, 6, 7, 8])
+    cache.forward(tiny_llama.model)
+    cache.truncate(2)
+    cache.extend([9, 10])
+    cache.forward(tiny_llama.model)  # fine: cropped to the common prefix, then fed the rest
+    cache._ids[0] = 99  # simulate a bug: ids changed under the cache
+    cache.extend([11])
+    with pytest.raises(CacheInvariantError):
+        cache.forward(tiny_llama.model)
+
+
+def test_fully_cached_ids_give_up_one_position(tiny_llama):
+    cache = TokenCache([5, 6, 7])
+    cache.forward(tiny_llama.model)
+    assert cache.cached == 3
+    logits, fed, reused = cache.forward(tiny_llama.model)
+    assert (fed, reused) == (1, 2) and logits.shape[-1] == tiny_llama.model.config.vocab_size
+
+
+def test_real_model_episode_cached_equals_uncached(real):
+    runs = []
+    for use_cache in (True, False):
+        engine = Engine(forced(real))
+        session = prime(engine)
+        episode = engine.ask(session, "What is 41 * 23?", Settings(use_cache=use_cache, max_new_tokens=24))
+        runs.append((session.cache.ids, torch.stack(engine.loaded.model.raw), episode))
+    (ids, logits, cached), (ids2, logits2, plain) = runs
+    assert ids == ids2
+    assert (logits - logits2).abs().max().item() < 1e-4
+    assert cached.answer == plain.answer
+    assert [s.kind for s in cached.segments] == ["model", "tool", "model"]  # it used the calculator
+    assert cached.segments[1].text.startswith("943")
+    assert cached.prefill_tokens < plain.prefill_tokens / 10
