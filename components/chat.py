@@ -78,7 +78,7 @@ def pending_model_message(text: str) -> dict:
 def tool_title(segment: Segment) -> str:
     if segment.tool is None:
         return "Tool call (malformed)"
-    return f"🔧 {segment.tool}: {segment.query or ''}"
+    return f"Tool {segment.tool}: {segment.query or ''}"
 
 
 def tool_message(segment: Segment) -> dict:

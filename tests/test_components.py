@@ -1,0 +1,291 @@
+"""Rendering functions (engine data -> Gradio values) and the page's handlers, without a server.
+
+Hand-built Segment/Episode values for the renderers; a tiny random llama with forced tokens (tests/conftest.py)
+for the handlers, so tool loops are deterministic and fast.
+"""
+
+from __future__ import annotations
+
+import types
+
+import gradio as gr
+import pytest
+
+from app.decoding import Limit, Stop, StopReason
+from app.engine import Episode, InputError, Segment, Span
+from app.sessions import MB, SessionStore, StoreStats
+from components.chat import (chat_messages, code, escape_text, episode_messages, model_message,
+                             pending_model_message, stop_text, tool_message)
+from components.handlers import ChatService, make_settings, settings_from_dict
+from components.stats import stats_markdown
+from components.tokens import COLOR_MAP, token_counts, token_spans, token_summary
+from tests.conftest import forced, plan_text
+
+CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
+SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
+
+
+def calculator_episode() -> Episode:
+    episode = Episode("What is 41 * 23?", 700, 713, use_cache=True)
+    episode.segments = [
+        Segment("model", "<request><Calculator>41 * 23<call>", 713, 728, stop=CALL_STOP, prefill_tokens=13,
+                cached_tokens=700, generated_tokens=15, ms=1814.4),
+        Segment("tool", "943<response>", 728, 734, tool="Calculator", query="41 * 23", ms=43.0),
+        Segment("model", "\nResult = 943<submit>", 734, 744, stop=SUBMIT_STOP, prefill_tokens=7, cached_tokens=727,
+                generated_tokens=10, ms=1240.0),
+    ]
+    return episode
+
+
+# ---- chat rendering ---------------------------------------------------------------------------------------
+def test_escape_keeps_protocol_markers_and_markdown_literal():
+    assert escape_text("<request><Calculator>2*3<call>") == "&lt;request&gt;&lt;Calculator&gt;2\\*3&lt;call&gt;"
+    assert escape_text("a_b # [x](y) $$ & `c`") == "a\\_b \\# \\[x\\]\\(y\\) \\$\\$ &amp; \\`c\\`"
+    assert "<" not in escape_text("<script>alert(1)</script>")
+    assert code("<call>") == "`<call>`"
+    assert code("a`b") == "``a`b``"
+
+
+@pytest.mark.parametrize("stop, words", [
+    (CALL_STOP, "string match <call>"),
+    (SUBMIT_STOP, "string match <submit>"),
+    (Stop(StopReason.EOS), "EOS"),
+    (Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_NEW_TOKENS), "max_length (max_new_tokens)"),
+    (Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH), "max_length (session max_length)"),
+    (Stop(StopReason.CANCELLED), "stopped by user"),
+    (None, "running"),
+])
+def test_stop_reason_in_words(stop, words):
+    assert stop_text(stop) == words
+
+
+def test_model_message_shows_text_stop_reason_and_counts():
+    segment = calculator_episode().segments[0]
+    content = model_message(segment)["content"]
+    assert content.startswith("&lt;request&gt;&lt;Calculator&gt;41 \\* 23&lt;call&gt;")
+    assert "stop: string match `<call>`" in content
+    assert "prefill 13 new tokens" in content and "700 reused from cache" in content
+    assert "15 generated" in content and "1814 ms" in content
+    cancelled = Segment("model", "partial", 0, 3, stop=Stop(StopReason.CANCELLED))
+    assert "stop: stopped by user" in model_message(cancelled)["content"]
+    empty = Segment("model", "", 0, 1, stop=Stop(StopReason.EOS))
+    assert "(no text)" in model_message(empty)["content"]
+
+
+def test_tool_message_is_collapsible_with_tool_query_and_result():
+    message = tool_message(calculator_episode().segments[1])
+    assert message["role"] == "assistant"
+    assert message["metadata"]["title"] == "Tool Calculator: 41 \\* 23"
+    assert message["metadata"]["log"] == "ok" and message["metadata"]["duration"] == 0.043
+    assert message["content"] == "943&lt;response&gt;"
+    failed = Segment("tool", "error: no <request> before <call><response>", 0, 5, ok=False)
+    message = tool_message(failed)
+    assert message["metadata"]["title"] == "Tool call \\(malformed\\)" and message["metadata"]["log"] == "error"
+    assert "&lt;request&gt;" in message["content"]
+
+
+def test_episode_and_chat_messages_one_part_per_segment():
+    episode = calculator_episode()
+    messages = episode_messages(episode)
+    assert [m["role"] for m in messages] == ["user", "assistant", "assistant", "assistant"]
+    assert messages[0]["content"] == "What is 41 \\* 23?"
+    assert "metadata" in messages[2] and "metadata" not in messages[1] and "metadata" not in messages[3]
+    streaming = chat_messages([episode, Episode("next", 744, 750, True)], notes=["Tools changed"], partial="Res")
+    assert streaming[0]["metadata"]["title"] == "Note"
+    assert streaming[-2] == {"role": "user", "content": "next"}
+    assert streaming[-1] == pending_model_message("Res")
+    assert "generating" in streaming[-1]["content"] and "Res" in streaming[-1]["content"]
+    assert chat_messages([]) == []
+    assert gr.Chatbot().postprocess(messages).root[2].metadata["title"] == "Tool Calculator: 41 \\* 23"
+
+
+# ---- token view and stats ---------------------------------------------------------------------------------
+def test_token_spans_decode_each_span_once():
+    ids = list(range(12))
+    spans = [Span("system", 0, 4), Span("user", 4, 6), Span("model", 6, 9), Span("tool", 9, 10),
+             Span("model", 10, 12)]
+    calls = []
+
+    def decode(chunk):
+        calls.append(chunk)
+        return "|".join(map(str, chunk))
+
+    view = token_spans(ids, spans, decode)
+    assert view == [("0|1|2|3", "system"), ("4|5", "user"), ("6|7|8", "model"), ("9", "tool"), ("10|11", "model")]
+    assert len(calls) == len(spans)
+    assert token_spans(ids, spans[:2], decode)[-1] == ("6|7|8|9|10|11", "model")
+    assert token_counts(spans) == {"system": 4, "user": 2, "model": 5, "tool": 1}
+    assert token_summary(spans).endswith("total 12 tokens")
+    assert set(COLOR_MAP) == {"system", "user", "model", "tool"}
+    assert gr.HighlightedText(color_map=COLOR_MAP).postprocess(view).root[0].class_or_confidence == "system"
+
+
+def test_stats_markdown():
+    store = StoreStats(sessions=2, kv_bytes=3 * MB, budget_bytes=512 * MB)
+    assert "no tokens yet" in stats_markdown(None, store)
+    assert "Server: 2 sessions, 3.0 MB of KV (budget 512 MB)" in stats_markdown(None, store)
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
+    s = make_settings(False, 300, 8.0, 2, 0)
+    assert (s.use_cache, s.max_length, s.max_new_tokens, s.max_turns, s.temperature) == (False, 300, 8, 2, 0.0)
+    assert make_settings(True, 300, 8, 2, 0) is not make_settings(True, 300, 8, 2, 0)
+    with pytest.raises(InputError, match="max_length is empty"):
+        make_settings(True, None, 8, 2, 0)
+    with pytest.raises(InputError, match="whole number"):
+        make_settings(True, 10.5, 8, 2, 0)
+    with pytest.raises(InputError, match="must be a number"):
+        make_settings(True, 10, "x", 2, 0)
+
+
+def test_settings_from_dict():
+    s, tools = settings_from_dict({"max_new_tokens": 5, "temperature": 1, "tools": ["Calculator"]})
+    assert s.max_new_tokens == 5 and s.temperature == 1 and tools == ["Calculator"]
+    assert settings_from_dict(None)[1] is None
+    with pytest.raises(InputError, match="unknown setting"):
+        settings_from_dict({"max_tokens": 5})
+    with pytest.raises(InputError, match="max_length must be int"):
+        settings_from_dict({"max_length": "big"})
+    with pytest.raises(InputError, match="tools must be a list"):
+        settings_from_dict({"tools": "Calculator"})
+
+
+# ---- handlers on a tiny forced model ----------------------------------------------------------------------
+def request(key: str = "page-1"):
+    return types.SimpleNamespace(session_hash=key)
+
+
+def make_service(tiny_llama, plan=None, eos_ids=None):
+    loaded = forced(tiny_llama, plan, eos_ids=eos_ids)
+    service = ChatService(loader=lambda: loaded, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    service.warm_up()  # prefill the shared prompt now, so plan step 0 is the first generated token
+    loaded.model.step = 0
+    return service, loaded
+
+
+def turn(service, message, key="page-1", use_cache=True, max_length=4096, max_new_tokens=16, max_turns=4,
+         temperature=0, tools=("Calculator", "Search")):
+    return list(service.chat(message, use_cache, max_length, max_new_tokens, max_turns, temperature, list(tools),
+                             request(key)))
+
+
+@pytest.fixture
+def calculator_plan(tokenizer):
+    first = "<request><Calculator>41*23<call>"
+    return plan_text(tokenizer, (0, first), (len(tokenizer(first, add_special_tokens=False)["input_ids"]),
+                                             "Result = 943<submit>"))
+
+
+def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
+    service, _ = make_service(tiny_llama, calculator_plan)
+    outputs = turn(service, "What is 41 * 23?")
+    chat, textbox, status, tokens, stats = outputs[-1]
+    assert status == "done" and textbox == gr.skip()  # cleared at the start; text typed since is kept
+    assert outputs[0][2] == "running" and outputs[0][1] == ""
+    assert all(o[2] == "running" for o in outputs[:-1])
+    assert any("generating" in str(o[0][-1:]) for o in outputs[:-1])  # streamed token by token
+    assert [m["role"] for m in chat] == ["user", "assistant", "assistant", "assistant"]
+    assert "string match `<call>`" in chat[1]["content"]
+    assert chat[2]["metadata"]["title"] == "Tool Calculator: 41\\*23"
+    assert chat[2]["content"] == "943&lt;response&gt;"
+    assert "string match `<submit>`" in chat[3]["content"]
+    assert [role for _, role in tokens] == ["system", "user", "model", "tool", "model"]
+    assert "<call>" in tokens[2][0] and "943" in tokens[3][0]
+    assert "1 turns" in stats and "Server: 1 session" in stats
+
+
+def test_errors_show_a_message_keep_the_text_and_the_session(tiny_llama, calculator_plan):
+    service, _ = make_service(tiny_llama, calculator_plan)
+    turn(service, "What is 41 * 23?")
+    before = list(service.store.peek("page-1").session.cache.ids)
+    chat, textbox, status, _, _ = turn(service, "   ")[-1]
+    assert status == "error: the message is empty"
+    assert len(chat) == 4  # the earlier turn is still shown
+    chat, textbox, status, _, _ = turn(service, "too long for this", max_length=len(before) + 2)[-1]
+    assert status.startswith("error: the context is full") and "start a new chat" in status
+    assert textbox == "too long for this"  # nothing the visitor typed is lost
+    chat, textbox, status, _, _ = turn(service, "x", max_new_tokens=None)[-1]
+    assert status == "error: max_new_tokens is empty; enter a number"
+    chat, textbox, status, _, _ = turn(service, "x", temperature=9)[-1]
+    assert status.startswith("error: temperature must be")
+    assert service.store.peek("page-1").session.cache.ids == before
+
+
+def test_tool_set_change_starts_a_new_chat_with_a_note(tiny_llama, calculator_plan):
+    service, loaded = make_service(tiny_llama, calculator_plan)
+    turn(service, "What is 41 * 23?")
+    first = service.store.peek("page-1").session
+    loaded.model.plan = {}
+    chat, _, status, tokens, _ = turn(service, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
+    entry = service.store.peek("page-1")
+    assert status == "done" and entry.session is not first and entry.engine_key == ("Calculator",)
+    assert chat[0]["metadata"]["title"] == "Note" and "started a new chat" in chat[0]["content"]
+    assert [m["role"] for m in chat[1:]][:1] == ["user"] and len(entry.session.episodes) == 1
+    assert "- Search:" not in tokens[0][0] and "- Calculator:" in tokens[0][0]
+
+
+def test_cache_off_gives_the_same_tokens(tiny_llama):
+    ids = []
+    for use_cache in (True, False):
+        service, _ = make_service(tiny_llama, eos_ids=frozenset())
+        turn(service, "hello", use_cache=use_cache, max_new_tokens=6)
+        _, _, status, _, _ = turn(service, "again", use_cache=use_cache, max_new_tokens=6)[-1]
+        session = service.store.peek("page-1").session
+        assert status == "done"
+        if not use_cache:
+            assert session.cache.nbytes == 0 and session.episodes[-1].segments[0].cached_tokens == 0
+        ids.append(session.cache.ids)
+    assert ids[0] == ids[1]
+
+
+def test_stop_cancels_between_tokens_and_keeps_the_partial_segment(tiny_llama):
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    outputs = []
+    for output in service.chat("go on", True, 4096, 200, 0, 0, [], request()):
+        outputs.append(output)
+        if len(outputs) == 4:  # a few tokens in: press stop (its handler only sets the Event)
+            service.stop(request())
+    chat, _, status, _, _ = outputs[-1]
+    assert status == "done"
+    assert "stop: stopped by user" in chat[-1]["content"]
+    segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
+    assert segment.stop.reason is StopReason.CANCELLED and 0 < segment.generated_tokens < 200
+    _, _, status, _, _ = turn(service, "next", max_new_tokens=2)[-1]  # the session is still usable
+    assert status == "done"
+
+
+def test_sessions_are_separate_and_new_chat_clears(tiny_llama):
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    turn(service, "from page one", key="one", max_new_tokens=2)
+    chat_two = turn(service, "from page two", key="two", max_new_tokens=2)[-1][0]
+    assert chat_two[0]["content"] == "from page two" and len(chat_two) == 2
+    assert service.refresh(request("one"))[0][0]["content"] == "from page one"
+    chat, textbox, status, tokens, stats = service.new_chat(request("one"))
+    assert chat == [] and tokens == [] and status == "new chat" and "no tokens yet" in stats
+    assert service.store.peek("one").session is None and service.store.peek("two").session is not None
+    service.unload(request("two"))
+    assert "two" not in service.store
+
+
+def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
+    service, _ = make_service(tiny_llama, calculator_plan)
+    result = service.api_ask("What is 41 * 23?", {"max_new_tokens": 16})
+    assert set(result) == {"question", "answer", "total_tokens", "cache", "segments"}
+    assert result["answer"] == "Result = 943"
+    assert [s["kind"] for s in result["segments"]] == ["model", "tool", "model"]
+    assert result["segments"][0]["stop_string"] == "<call>" and result["segments"][1]["tool"] == "Calculator"
+    with pytest.raises(gr.Error, match="unknown setting"):
+        service.api_ask("x", {"nope": 1})
+    with pytest.raises(gr.Error, match="empty"):
+        service.api_ask("", None)
+    with pytest.raises(gr.Error, match="unknown tool"):
+        service.api_ask("x", {"tools": ["Shell"]})
+
+
+def test_api_chat_streams_growing_text(tiny_llama, calculator_plan):
+    service, _ = make_service(tiny_llama, calculator_plan)
+    chunks = list(service.api_chat("What is 41 * 23?", None, request("client")))
+    assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1] == "<request><Calculator>41*23<call>943<response>Result = 943<submit>"
+    assert len(service.store.peek("client").session.episodes) == 1

@@ -1,0 +1,159 @@
+"""The server-side session store: LRU KV eviction by byte budget, idle timeout, unload, reset, cancel."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from app.engine import Engine, Settings
+from app.sessions import MB, SessionStore, budget_from_env, idle_timeout_from_env
+from tests.conftest import forced
+
+
+class FakeCache:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ids = [1] * 10
+        self.dropped = 0
+
+    def drop_kv(self):
+        self.nbytes = 0
+        self.dropped += 1
+
+
+class FakeSession:
+    def __init__(self, nbytes: int):
+        self.cache = FakeCache(nbytes)
+        self.lock = threading.Lock()
+        self.episodes = []
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def filled(store: SessionStore, sizes: dict[str, int]) -> dict[str, FakeSession]:
+    sessions = {}
+    for key, size in sizes.items():
+        sessions[key] = store.get(key).session = FakeSession(size)
+    return sessions
+
+
+def test_budget_drops_least_recently_used_kv_and_keeps_ids():
+    store = SessionStore(budget_bytes=250, idle_timeout_s=3600)
+    s = filled(store, {"a": 100, "b": 100, "c": 100})
+    store.get("a")  # a is now the most recent: b is the oldest
+    assert store.stats().kv_bytes == 300
+    assert store.enforce_budget() == ["b"]
+    assert s["b"].cache.nbytes == 0 and s["b"].cache.dropped == 1
+    assert s["b"].cache.ids == [1] * 10  # text/ids kept: the next turn recomputes
+    assert store.get("b").session is s["b"]  # the session itself is kept
+    assert s["a"].cache.nbytes == s["c"].cache.nbytes == 100
+    assert store.stats().kv_bytes == 200
+    assert store.enforce_budget() == []
+
+
+def test_budget_drops_several_and_skips_a_running_session():
+    store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
+    s = filled(store, {"a": 100, "b": 100, "c": 100})
+    s["a"].lock.acquire()  # a turn is running in a: its cache is in use
+    try:
+        assert store.enforce_budget() == ["b", "c"]
+    finally:
+        s["a"].lock.release()
+    assert s["a"].cache.nbytes == 100
+    assert store.stats() .kv_bytes == 100
+
+
+def test_idle_sessions_are_deleted_and_cancelled():
+    clock = Clock()
+    store = SessionStore(budget_bytes=MB, idle_timeout_s=60, clock=clock)
+    filled(store, {"old": 1, "new": 1})
+    old_cancel = store.peek("old").cancel
+    clock.now += 40
+    store.get("new")
+    clock.now += 30  # old idle 70 s, new idle 30 s
+    assert store.sweep() == ["old"]
+    assert "old" not in store and "new" in store
+    assert old_cancel.is_set()
+    clock.now += 61
+    store.get("other")  # every access sweeps
+    assert "new" not in store and len(store) == 1
+
+
+def test_unload_removes_and_cancels():
+    store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
+    filled(store, {"a": 10})
+    cancel = store.peek("a").cancel
+    assert store.remove("a") is True
+    assert cancel.is_set() and "a" not in store
+    assert store.remove("a") is False
+    assert store.stats().sessions == 0
+
+
+def test_reset_clears_the_chat_but_keeps_the_entry():
+    store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
+    filled(store, {"a": 10})
+    entry = store.peek("a")
+    entry.notes.append("note")
+    entry.engine_key = ("Calculator",)
+    assert store.reset("a") is entry
+    assert entry.session is None and entry.engine_key is None and entry.notes == []
+    assert entry.cancel.is_set()  # a turn still running for the old chat stops
+
+
+def test_cancel_sets_the_event_of_that_session_only():
+    store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
+    a, b = store.get("a"), store.get("b")
+    assert store.cancel("a") is True
+    assert a.cancel.is_set() and not b.cancel.is_set()
+    assert store.cancel("missing") is False and "missing" not in store
+
+
+def test_env_defaults(monkeypatch):
+    monkeypatch.setenv("KV_BUDGET_MB", "2")
+    monkeypatch.setenv("SESSION_IDLE_TIMEOUT_S", "5")
+    assert budget_from_env() == 2 * MB
+    assert idle_timeout_from_env() == 5.0
+    store = SessionStore()
+    assert store.budget_bytes == 2 * MB and store.idle_timeout_s == 5.0
+    monkeypatch.delenv("KV_BUDGET_MB")
+    monkeypatch.delenv("SESSION_IDLE_TIMEOUT_S")
+    assert budget_from_env() == 512 * MB and idle_timeout_from_env() == 3600
+
+
+def test_real_sessions_over_budget_continue_with_identical_tokens(tiny_llama):
+    """Evicting a real session's KV keeps its ids; its next turn recomputes and generates the same tokens."""
+    settings = Settings(max_new_tokens=6, max_turns=0)
+    results = []
+    for budget in (10**12, 1):
+        engine = Engine(forced(tiny_llama), tools={})
+        store = SessionStore(budget_bytes=budget, idle_timeout_s=3600)
+        entry = store.get("a")
+        entry.session = engine.new_session()
+        engine.ask(entry.session, "first", settings)
+        assert entry.session.cache.nbytes > 0
+        store.enforce_budget()
+        if budget == 1:
+            assert entry.session.cache.nbytes == 0 and entry.session.cache.cached == 0
+        ids_before = list(entry.session.cache.ids)
+        episode = engine.ask(entry.session, "second", settings)
+        assert entry.session.cache.ids[: len(ids_before)] == ids_before
+        if budget == 1:
+            assert episode.segments[0].cached_tokens == 0  # recomputed from the ids
+        results.append(entry.session.cache.ids)
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("size", [0, 5])
+def test_stats_totals(size):
+    store = SessionStore(budget_bytes=3 * MB, idle_timeout_s=60)
+    filled(store, {"a": size, "b": 7})
+    store.get("c")  # no session yet
+    stats = store.stats()
+    assert (stats.sessions, stats.kv_bytes, stats.budget_bytes) == (3, size + 7, 3 * MB)
