@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from app.decoding import Limit, StopReason
-from app.engine import Episode, InputError, Settings, SegmentFinished, TextDelta, EpisodeFinished
+from app.engine import Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +63,10 @@ def _ask(args) -> int:
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
                         max_tool_response=args.max_tool_response, temperature=args.temperature,
                         top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed)
+    # Everything a user can get wrong is checked before the model loads (seconds).
+    settings.validated(context_limit=10**6)
+    for question in args.questions:
+        clean_question(question)
     tools = get_tools(args.tools.split(",") if args.tools else None)
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
     engine = Engine(load_model(), tools=tools, prompt=prompt)

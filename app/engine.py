@@ -208,6 +208,16 @@ class Session:
         return [s for s in spans if s.end > s.start]
 
 
+def clean_question(question: str) -> str:
+    """The question as the engine takes it, or a clear InputError."""
+    question = question.strip()
+    if not question:
+        raise InputError("the message is empty")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise InputError(f"the message is too long ({len(question)} characters, at most {MAX_QUESTION_CHARS})")
+    return question
+
+
 def default_prompt_template() -> str:
     return (ASSETS / "system_prompt.txt").read_text(encoding="utf-8")
 
@@ -265,11 +275,7 @@ class Engine:
              cancel: threading.Event | None = None, row: int = 0) -> Iterator[Event]:
         """Answer one question in a session, yielding events; the last one is EpisodeFinished."""
         settings = (settings or Settings()).validated(self.context_limit)
-        question = question.strip()
-        if not question:
-            raise InputError("the message is empty")
-        if len(question) > MAX_QUESTION_CHARS:
-            raise InputError(f"the message is too long ({len(question)} characters, at most {MAX_QUESTION_CHARS})")
+        question = clean_question(question)
         with session.lock:
             yield from self._turn(session, question, settings, cancel, row)
 

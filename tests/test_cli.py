@@ -1,0 +1,69 @@
+"""The command line as a user runs it: JSON schema, batches, tool command, clear errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SEGMENT_KEYS = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens", "cached_tokens",
+                "generated_tokens", "ms"}
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_ask_json_schema_for_a_batch_with_a_calculator_call():
+    out = cli("ask", "What is 41 * 23?", "Hello, who are you?", "--json", "--max-new-tokens", "40")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [o["question"] for o in lines] == ["What is 41 * 23?", "Hello, who are you?"]
+    calc = lines[0]
+    assert set(calc) == {"question", "answer", "total_tokens", "cache", "segments"}
+    assert calc["cache"]["enabled"] is True and calc["cache"]["reused_tokens"] > calc["cache"]["prefill_tokens"]
+    assert "943" in calc["answer"]
+    for segment in calc["segments"]:
+        assert set(segment) == SEGMENT_KEYS
+        if segment["kind"] == "model":
+            assert segment["stop_reason"] in {"string_match", "eos", "max_length"}
+        else:
+            assert segment["stop_reason"] is None and segment["tool"] == "Calculator"
+    assert calc["segments"][0]["stop_string"] == "<call>"
+    assert calc["segments"][1]["text"] == "943<response>"
+
+
+def test_ask_no_cache_and_tiny_budgets():
+    out = cli("ask", "What is 41 * 23?", "--json", "--no-cache", "--max-new-tokens", "3")
+    assert out.returncode == 0, out.stderr
+    (result,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert result["cache"] == {"enabled": False, "prefill_tokens": result["total_tokens"] - 3, "reused_tokens": 0}
+    (segment,) = result["segments"]
+    assert (segment["stop_reason"], segment["limit"], segment["generated_tokens"]) == ("max_length", "max_new_tokens", 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ask", "hi", "--max-length", "5"], "context is full"),
+    (["ask", "hi", "--max-new-tokens", "0"], "max_new_tokens must be"),
+    (["ask", "   "], "message is empty"),
+    (["ask", "hi", "--tools", "Teleport"], "unknown tool 'Teleport'"),
+    (["ask", "hi", "--prompt", "/nonexistent/prompt.txt"], "No such file"),
+    (["tool", "nosuch", "x"], "unknown tool nosuch"),
+    (["tool", "calculator", "2**99999"], "error:"),
+])
+def test_user_mistakes_are_one_line_errors(args, message):
+    out = cli(*args)
+    assert out.returncode != 0
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["tool", "calculator", "12 × 7"], "84"),
+    (["tool", "Calculator", "2^10"], "1024"),
+    (["tool", "search", "kludge"], "kludge:"),
+])
+def test_tool_command(args, expected):
+    out = cli(*args)
+    assert out.returncode == 0 and out.stdout.startswith(expected)
