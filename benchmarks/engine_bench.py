@@ -1,0 +1,190 @@
+"""Engine benchmark: what the KV cache buys, what the engine costs on top of the model, how fast it starts.
+
+    python3 benchmarks/engine_bench.py            # prints a table (ratios are measured in this one run)
+
+Every target is a ratio of two numbers measured in the same run, since the machine is noisy.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.decoding import Detokenizer  # noqa: E402
+from app.engine import Engine, EpisodeFinished, Settings, TextDelta, default_prompt_template  # noqa: E402
+from app.model import load_model  # noqa: E402
+from app.protocol import STOP_STRINGS  # noqa: E402
+
+# Few-shot examples that make the bundled model call the calculator three times in one answer.
+MULTI_CALL = """Q: What are 12 * 7, 3 * 5 and 40 + 15?
+<request><Calculator>12 * 7<call>84<response>
+<request><Calculator>3 * 5<call>15<response>
+<request><Calculator>40 + 15<call>55<response>
+Result = 84, 15, 55<submit>
+
+Q: What are 6 * 8, 9 * 4 and 20 - 6?
+<request><Calculator>6 * 8<call>48<response>
+<request><Calculator>9 * 4<call>36<response>
+<request><Calculator>20 - 6<call>14<response>
+Result = 48, 36, 14<submit>
+
+"""
+QUESTION = "What are 23 * 4, 17 * 3 and 19 + 26?"
+CHAT = ["What is 41 * 23?", "What is 1234 + 4321?", "What does kludge mean?", "What is 2 to the power of 12?",
+        "What is 96 / 8?", "What is a foobar?", "What is 15% of 240?", "What is 77 - 39?"]
+
+
+class TimedModel(torch.nn.Module):
+    """Times every forward pass alone, so the floor is the sum of model time and nothing else."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.config, self.seconds, self.calls = base, base.config, 0.0, []
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def forward(self, input_ids, **kwargs):
+        began = time.perf_counter()
+        out = self.base(input_ids=input_ids, **kwargs)
+        elapsed = time.perf_counter() - began
+        self.seconds += elapsed
+        self.calls.append((input_ids.shape[1], elapsed))
+        return out
+
+
+def engine_with_timer(loaded, prompt: str) -> tuple[Engine, TimedModel]:
+    import dataclasses
+    import threading
+
+    timed = TimedModel(loaded.model)
+    return Engine(dataclasses.replace(loaded, model=timed, lock=threading.RLock()), prompt=prompt), timed
+
+
+def episode_cache_on_off(loaded, prompt: str) -> dict:
+    rows = {}
+    for use_cache in (True, False):
+        engine, timed = engine_with_timer(loaded, prompt)
+        settings = Settings(max_new_tokens=24, use_cache=use_cache)
+        began = time.perf_counter()
+        session = engine.new_session(use_cache=use_cache)  # includes the prompt's one prefill (cold)
+        episode = engine.ask(session, QUESTION, settings)
+        wall = time.perf_counter() - began
+        prompt_prefill = session.prompt_tokens if use_cache else 0  # the cold prompt prefill
+        rows[use_cache] = dict(wall=wall, floor=timed.seconds, calls=sum(1 for s in episode.segments if s.kind == "tool"),
+                               prefill=episode.prefill_tokens + prompt_prefill, answer=episode.answer,
+                               ids=list(session.cache.ids), decode=[t for n, t in timed.calls if n == 1])
+    return rows
+
+
+def ttft_turns(loaded, prompt: str) -> dict:
+    out = {}
+    for use_cache in (True, False):
+        engine = Engine(loaded, prompt=prompt)
+        began = time.perf_counter()
+        engine._prompt_cache(engine.prompt, prefill=True)
+        prompt_prefill = time.perf_counter() - began
+        session = engine.new_session(use_cache=use_cache)
+        ttfts = []
+        for question in CHAT:
+            began, first = time.perf_counter(), None
+            for event in engine.turn(session, question, Settings(max_new_tokens=24, use_cache=use_cache)):
+                if first is None and isinstance(event, TextDelta):
+                    first = time.perf_counter() - began
+            ttfts.append(first)
+        # A brand-new chat on the warm shared prompt cache.
+        began = time.perf_counter()
+        fresh = engine.new_session(use_cache=use_cache)
+        for event in engine.turn(fresh, CHAT[0], Settings(max_new_tokens=4, use_cache=use_cache)):
+            if isinstance(event, TextDelta):
+                new_chat = time.perf_counter() - began
+                break
+        out[use_cache] = dict(ttfts=ttfts, prompt_prefill=prompt_prefill, new_chat=new_chat,
+                              tokens=len(session.cache), nbytes=session.cache.nbytes, cached=session.cache.cached,
+                              storage=_storage_bytes(session.cache))
+    return out
+
+
+def _storage_bytes(cache) -> int:
+    kv = cache._kv
+    if kv is None:
+        return 0
+    return sum(t.untyped_storage().nbytes() for layer in kv.layers if layer.is_initialized for t in (layer.keys, layer.values))
+
+
+def stop_check_cost(loaded, engine: Engine, ids: list[int]) -> float:
+    """Seconds per token of the stop checker plus the incremental detokenizer, over real generated tokens."""
+    tokens = (ids * (2000 // max(1, len(ids)) + 1))[:2000]
+    began = time.perf_counter()
+    stops, detok = engine.stops.start(), Detokenizer(loaded.tokenizer)
+    for n, token in enumerate(tokens, 1):
+        stops.check(token, detok.push(token), n, 10**9, n, 10**9)
+    return (time.perf_counter() - began) / len(tokens)
+
+
+def model_ready() -> tuple[float, float]:
+    """(process start to model ready, load_model alone) in a fresh process, weights already converted."""
+    code = ("import time; t=time.perf_counter(); from app.model import load_model; t1=time.perf_counter(); "
+            "load_model(); t2=time.perf_counter(); print(t2-t, t2-t1)")
+    began = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    total = time.perf_counter() - began
+    inside, load = map(float, out.stdout.split())
+    return total, load
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    loaded = load_model()
+    prompt = default_prompt_template().replace("Q: Hello, who are you?", MULTI_CALL + "Q: Hello, who are you?")
+    engine = Engine(loaded, prompt=prompt)
+    prompt_tokens = engine.new_session(use_cache=False).prompt_tokens
+
+    ep = episode_cache_on_off(loaded, prompt)
+    on, off = ep[True], ep[False]
+    turns = ttft_turns(loaded, default_prompt_template())
+    decode_step = sum(on["decode"]) / len(on["decode"])
+    per_token = stop_check_cost(loaded, engine, on["ids"][prompt_tokens:])
+    process_ready, load_only = model_ready()
+    t_on, t_off = turns[True], turns[False]
+
+    rows = [
+        ("few-shot prompt", f"{prompt_tokens} tokens", ""),
+        ("episode tool calls", f"{on['calls']}", "≥ 3"),
+        ("same tokens cache on/off", str(on["ids"] == off["ids"]), "True"),
+        ("episode wall, cache on", f"{on['wall']:.2f} s", ""),
+        ("episode wall, cache off", f"{off['wall']:.2f} s", ""),
+        ("speed-up from the cache", f"{off['wall'] / on['wall']:.2f}×", ""),
+        ("tokens prefilled on / off", f"{on['prefill']} / {off['prefill']}", ""),
+        ("cached episode / its floor", f"{on['wall'] / on['floor']:.3f}×", "≤ 1.15×"),
+        ("TTFT turn 1 → 8, cache on", f"{t_on['ttfts'][0]*1000:.0f} → {t_on['ttfts'][-1]*1000:.0f} ms "
+         f"({t_on['ttfts'][-1] / t_on['ttfts'][0]:.2f}×)", "≤ 1.3×"),
+        ("TTFT turn 1 → 8, cache off", f"{t_off['ttfts'][0]*1000:.0f} → {t_off['ttfts'][-1]*1000:.0f} ms "
+         f"({t_off['ttfts'][-1] / t_off['ttfts'][0]:.2f}×)", ""),
+        ("new chat TTFT / prompt prefill", f"{t_on['new_chat']*1000:.0f} / {t_on['prompt_prefill']*1000:.0f} ms "
+         f"({t_on['new_chat'] / t_on['prompt_prefill']:.3f}×)", "≤ 0.15×"),
+        ("stop check / decode step", f"{per_token*1e6:.0f} µs / {decode_step*1000:.1f} ms "
+         f"({per_token / decode_step * 100:.2f} %)", "≤ 2 %"),
+        ("KV bytes held (8 turns)", f"{t_on['nbytes']:,} = {t_on['cached']} × {loaded.kv_bytes_per_token:,}"
+         f" → {t_on['nbytes'] == t_on['cached'] * loaded.kv_bytes_per_token}; storage {t_on['storage']:,}",
+         "tokens × bytes/token"),
+        ("model ready (fresh process / load only)", f"{process_ready:.2f} s / {load_only:.2f} s", "≤ 3 s"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'value':<58}  target")
+    for name, value, target in rows:
+        print(f"{name:<{width}}  {value:<58}  {target}")
+    print(f"\nTTFT per turn, cache on (ms):  {[round(t * 1000) for t in t_on['ttfts']]}")
+    print(f"TTFT per turn, cache off (ms): {[round(t * 1000) for t in t_off['ttfts']]}")
+
+
+if __name__ == "__main__":
+    main()
