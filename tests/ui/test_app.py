@@ -1,0 +1,174 @@
+"""The app in real Chromium, with the real bundled model: every check waits on elements the app owns
+(the `#status` text, chat messages), never on network calls."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from tests.ui.conftest import OUT, ROOT, TURN_MS
+
+pytestmark = pytest.mark.ui
+
+
+def user_messages(page: Page):
+    return page.locator("#chat .message.user")
+
+
+def bot_messages(page: Page):
+    return page.locator("#chat .message.bot")
+
+
+def set_number(page: Page, elem_id: str, value: int) -> None:
+    field = page.locator(f"#{elem_id} input")
+    field.fill(str(value))
+    field.blur()
+
+
+def send(page: Page, text: str, status: str | re.Pattern = "done") -> None:
+    """Type and send a message; wait until the turn has left the previous status, then for its final one."""
+    status_box = page.locator("#status")
+    previous = status_box.inner_text()
+    page.locator("#msg textarea").fill(text)
+    page.locator("#send").click()
+    expect(status_box).not_to_have_text(previous, timeout=TURN_MS)
+    expect(status_box).to_have_text(FINAL, timeout=TURN_MS)
+    expect(status_box).to_have_text(status)
+
+
+FINAL = re.compile(r"^\s*(done\s*|error: [\s\S]*)$")  # the element's text has surrounding whitespace
+
+
+def model_parts(page: Page) -> list[str]:
+    """Text of each model segment (bot messages that are not tool parts)."""
+    return [m.inner_text() for m in bot_messages(page).all() if m.locator(".thought-group").count() == 0]
+
+
+def tool_parts(page: Page) -> list[str]:
+    return [m.inner_text() for m in bot_messages(page).all() if m.locator(".thought-group").count() > 0]
+
+
+STOP = re.compile(r"stop: (string match <call>|string match <submit>|EOS|max_length \((max_new_tokens|"
+                  r"session max_length)\)|stopped by user) · prefill \d+ new tokens · \d+ reused from cache · "
+                  r"\d+ generated · \d+ ms")
+
+
+def test_calculator_question_shows_tool_call_result_and_stop_reasons(open_page):
+    page = open_page()
+    send(page, "What is 41 * 23?")
+    tools = tool_parts(page)
+    assert tools and "Tool Calculator: 41 * 23" in tools[0] and "943<response>" in tools[0]
+    models = model_parts(page)
+    assert len(models) == len(tools) + 1
+    assert all(STOP.search(text) for text in models), models
+    assert "<request><Calculator>41 * 23<call>" in models[0]  # protocol markers render as text
+    assert "string match <call>" in models[0] and "943" in models[-1]
+    legend = page.locator("#tokens")
+    for role in ("system", "user", "model", "tool"):
+        expect(legend).to_contain_text(role)
+    expect(page.locator("#stats")).to_contain_text(re.compile(r"This chat: \d+ tokens, \d+ cached"))
+    OUT.mkdir(exist_ok=True)
+    shot = OUT / "calculator.png"
+    page.screenshot(path=str(shot), full_page=True)
+    shutil.copyfile(shot, ROOT / "assets" / "screenshot.png")
+
+
+def test_search_question(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 24)
+    send(page, "What does kludge mean?")
+    tools = tool_parts(page)
+    assert tools and "Tool Search: kludge" in tools[0] and "kludge" in tools[0].split("\n", 1)[1]
+    assert all(STOP.search(text) for text in model_parts(page))
+    page.screenshot(path=str(OUT / "search.png"), full_page=True)
+
+
+def test_tiny_max_length_stops_with_max_length(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 1)
+    send(page, "Hi")
+    tokens = int(re.search(r"This chat: (\d+) tokens", page.locator("#stats").inner_text())[1])
+    set_number(page, "max-length", tokens + 24)
+    set_number(page, "max-new-tokens", 64)
+    send(page, "Write a very long story about a dragon.")
+    assert "stop: max_length (session max_length)" in model_parts(page)[-1]
+    send(page, "And another one?", status=re.compile(r"^\s*error: the context is full"))
+    expect(page.locator("#status")).to_contain_text("start a new chat")
+    expect(page.locator("#msg textarea")).to_have_value("And another one?")  # nothing typed is lost
+    assert user_messages(page).count() == 2  # the chat so far is kept
+
+
+def test_cache_off_gives_the_same_greedy_answer(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 24)
+    send(page, "What is 41 * 23?")
+    cached = [t.split("stop:")[0] for t in model_parts(page)]
+    page.locator("#new-chat").click()
+    expect(bot_messages(page)).to_have_count(0)
+    page.locator("#use-cache input").uncheck()
+    send(page, "What is 41 * 23?")
+    assert [t.split("stop:")[0] for t in model_parts(page)] == cached
+    assert all("· 0 reused from cache" in t for t in model_parts(page))
+    expect(page.locator("#stats")).to_contain_text(" 0 cached")
+
+
+def test_two_browser_contexts_see_only_their_own_chats_and_new_chat_clears(open_page):
+    one, two = open_page(), open_page()
+    for page, text in ((one, "Hello, who are you?"), (two, "What is 2 + 2?")):
+        set_number(page, "max-new-tokens", 3)
+        set_number(page, "max-turns", 0)
+        send(page, text)
+    expect(user_messages(one)).to_have_text(["Hello, who are you?"])
+    expect(user_messages(two)).to_have_text(["What is 2 + 2?"])
+    one.locator("#new-chat").click()
+    expect(one.locator("#status")).to_have_text("new chat")
+    expect(user_messages(one)).to_have_count(0)
+    expect(bot_messages(one)).to_have_count(0)
+    expect(one.locator("#stats")).to_contain_text("no tokens yet")
+    expect(user_messages(two)).to_have_text(["What is 2 + 2?"])
+
+
+def test_stop_cancels_generation(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 400)
+    page.locator("#msg textarea").fill("Write a very long story about a dragon.")
+    page.locator("#send").click()
+    expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
+    expect(bot_messages(page).last).to_contain_text(re.compile(r"\w+ \w+ \w+"), timeout=TURN_MS)
+    page.locator("#stop").click()
+    expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
+    last = model_parts(page)[-1]
+    assert "stop: stopped by user" in last
+    generated = int(re.search(r"(\d+) generated", last)[1])
+    assert 0 < generated < 400
+    page.screenshot(path=str(OUT / "stopped.png"), full_page=True)
+    set_number(page, "max-new-tokens", 2)
+    send(page, "Hi")  # the session is still consistent and usable
+
+
+def test_empty_message_shows_an_error(open_page):
+    page = open_page()
+    send(page, "", status="error: the message is empty")
+    expect(user_messages(page)).to_have_count(0)
+
+
+def test_gradio_client_ask_returns_episode_json(app_url):
+    from gradio_client import Client
+
+    client = Client(app_url, verbose=False)
+    result = client.predict("What is 41 * 23?", {"max_new_tokens": 32}, api_name="/ask")
+    assert set(result) == {"question", "answer", "total_tokens", "cache", "segments"}
+    assert result["question"] == "What is 41 * 23?"
+    assert set(result["cache"]) == {"enabled", "prefill_tokens", "reused_tokens"}
+    segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens",
+                    "cached_tokens", "generated_tokens", "ms"}
+    assert result["segments"] and all(set(s) == segment_keys for s in result["segments"])
+    assert result["segments"][0]["kind"] == "model" and result["segments"][0]["stop_reason"]
+    chunks = list(client.submit("Hello, who are you?", {"max_new_tokens": 8, "max_turns": 0}, api_name="/chat"))
+    assert chunks and all(isinstance(c, str) for c in chunks)
+    assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:]))
+    api = client.view_api(print_info=False, return_format="dict")
+    assert set(api["named_endpoints"]) == {"/chat", "/ask"} and not api["unnamed_endpoints"]
