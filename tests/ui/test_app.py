@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -129,6 +130,16 @@ def test_two_browser_contexts_see_only_their_own_chats_and_new_chat_clears(open_
     expect(bot_messages(one)).to_have_count(0)
     expect(one.locator("#stats")).to_contain_text("no tokens yet")
     expect(user_messages(two)).to_have_text(["What is 2 + 2?"])
+    # closing a page frees its server-side session (demo.unload after the heartbeat drops)
+    one.close()
+    deadline = time.monotonic() + 30
+    while True:
+        two.locator("#new-chat").click()  # any event refreshes the stats panel
+        expect(two.locator("#status")).to_have_text("new chat")
+        if "Server: 1 session," in two.locator("#stats").inner_text() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    expect(two.locator("#stats")).to_contain_text("Server: 1 session,")
 
 
 def test_stop_cancels_generation(open_page):
