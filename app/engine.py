@@ -199,6 +199,14 @@ class Session:
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
 
+    def fork(self) -> "Session":
+        """An independent copy (tokens, cache, history so far), e.g. to run one question two ways side by side."""
+        with self.lock:
+            other = Session(self.cache.fork(), self.prompt_tokens)
+            other.episodes = list(self.episodes)
+            other.generator.set_state(self.generator.get_state())
+            return other
+
     def spans(self) -> list[Span]:
         """Who wrote each part of the session's tokens: system prompt, user, model, tool."""
         spans = [Span("system", 0, self.prompt_tokens)]

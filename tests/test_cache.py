@@ -146,3 +146,17 @@ def test_real_model_episode_cached_equals_uncached(real):
     assert [s.kind for s in cached.segments] == ["model", "tool", "model"]  # it used the calculator
     assert cached.segments[1].text.startswith("943")
     assert cached.prefill_tokens < plain.prefill_tokens / 10
+
+
+def test_compare_runs_both_ways_on_forks_and_leaves_the_session_alone(tiny):
+    from app.compare import compare
+
+    engine = Engine(tiny, prompt=PROMPT)
+    session = engine.new_session()
+    engine.ask(session, "warm-up turn", Settings(max_new_tokens=3))
+    before = list(session.cache.ids)
+    result = compare(engine, session, "What is 12 times 7?", Settings(max_new_tokens=6))
+    assert session.cache.ids == before and len(session.episodes) == 1
+    assert result.identical and result.cached.answer == result.uncached.answer
+    assert result.cached.prefill_tokens < result.uncached.prefill_tokens
+    assert result.uncached.reused_tokens == 0

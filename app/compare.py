@@ -1,0 +1,38 @@
+"""Run one question with the cache on and off, side by side, from the same point of a session."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from app.engine import Engine, Episode, Session, Settings
+
+
+@dataclass(frozen=True)
+class Comparison:
+    cached: Episode
+    uncached: Episode
+    cached_s: float
+    uncached_s: float
+
+    @property
+    def identical(self) -> bool:
+        """Same tokens either way (what greedy decoding promises)."""
+        return self.cached.token_ids == self.uncached.token_ids
+
+    @property
+    def speedup(self) -> float:
+        return self.uncached_s / self.cached_s if self.cached_s > 0 else float("inf")
+
+
+def compare(engine: Engine, session: Session, question: str, settings: Settings) -> Comparison:
+    """Each run works on its own fork of the session, so the session itself is left as it was."""
+    runs = []
+    for use_cache in (True, False):
+        fork = session.fork()
+        began = time.perf_counter()
+        episode = engine.ask(fork, question, dataclasses.replace(settings, use_cache=use_cache))
+        runs.append((episode, time.perf_counter() - began))
+    (cached, cached_s), (uncached, uncached_s) = runs
+    return Comparison(cached, uncached, cached_s, uncached_s)
