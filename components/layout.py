@@ -33,7 +33,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
         with gr.Row():
             with gr.Column(scale=3):
-                chat = gr.Chatbot(elem_id="chat", label="Chat", height=520, group_consecutive_messages=False,
+                chat = gr.Chatbot(elem_id="chat", label="Chat", height=640, group_consecutive_messages=False,
                                   latex_delimiters=[], feedback_options=None, allow_tags=False)
                 msg = gr.Textbox(elem_id="msg", label="Message", placeholder="Ask something…", lines=1,
                                  max_lines=6, submit_btn=False)
