@@ -109,6 +109,40 @@ class SegmentStops:
         return best
 
 
+class PromptLookup:
+    """Draft tokens for greedy decoding by prompt lookup: the tokens that followed the most recent earlier
+    occurrence of the session's last n tokens (n = 3, 2). Small models copy a lot (the expression from the
+    question into the tool call, the tool's result into the answer), and one forward pass verifies a whole
+    draft; only drafts equal to the model's own greedy choices are kept, so the output does not change.
+
+    The index maps each n-gram to the position after its latest occurrence; it grows by O(1) per token.
+    """
+
+    def __init__(self, ids: list[int], max_ngram: int = 3, min_ngram: int = 2):
+        self._ids = ids  # the session's live list: grows as tokens are accepted
+        self._sizes = range(max_ngram, min_ngram - 1, -1)
+        self._after: dict[tuple[int, ...], int] = {}
+        self._indexed = 1
+        self.sync()
+
+    def sync(self) -> None:
+        """Index every position whose continuation is known (all but the last token)."""
+        ids = self._ids
+        for i in range(self._indexed, len(ids)):
+            for n in self._sizes:
+                if i >= n:
+                    self._after[tuple(ids[i - n:i])] = i
+        self._indexed = max(self._indexed, len(ids))
+
+    def propose(self, k: int) -> list[int]:
+        ids, end = self._ids, len(self._ids)
+        for n in self._sizes:
+            at = self._after.get(tuple(ids[end - n:end]))
+            if at is not None:
+                return ids[at:at + k]
+        return []
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0, else nucleus sampling."""
     if temperature <= 0:

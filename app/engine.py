@@ -18,7 +18,7 @@ from typing import Generator, Literal
 import torch
 
 from app.config import ASSETS
-from app.decoding import Detokenizer, Limit, Stop, StopChecker, StopReason, next_token
+from app.decoding import Detokenizer, Limit, PromptLookup, Stop, StopChecker, StopReason, next_token
 from app.kvcache import TokenCache
 from app.model import LoadedModel
 from app.protocol import CALL, RESPONSE, STOP_STRINGS, ToolCallError, encode, neutralize, parse_tool_call
@@ -43,6 +43,7 @@ class Settings:
     top_p: float = 1.0
     use_cache: bool = True
     seed: int = 0
+    draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
 
     def validated(self, context_limit: int) -> "Settings":
         checks = [
@@ -52,6 +53,7 @@ class Settings:
             (1 <= self.max_tool_response <= 20000, "max_tool_response must be between 1 and 20000"),
             (0 <= self.temperature <= 5, "temperature must be between 0 and 5"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
         ]
         for ok, message in checks:
             if not ok:
@@ -321,6 +323,7 @@ class Engine:
             cache.drop_kv()
         start, began = len(cache), time.perf_counter()
         stops, detok = self.stops.start(), Detokenizer(tokenizer)
+        lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
         stop: Stop | None = None
         prefill = reused = generated = 0
         yield SegmentStarted(row, "model")
@@ -332,16 +335,30 @@ class Engine:
                     stop = Stop(StopReason.CANCELLED)
                     break
                 with self.loaded.lock:
-                    logits, fed, hit = cache.forward(model)
+                    base = len(cache)
+                    room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
+                    drafts = lookup.propose(min(settings.draft_tokens, room)) if lookup and generated else []
+                    cache.extend(drafts)
+                    logits, fed, hit = cache.forward(model, keep=len(drafts) + 1)
                     if generated == 0:
                         prefill, reused = fed, hit
-                    token = next_token(logits, settings.temperature, settings.top_p, session.generator)
-                    cache.extend([token])
-                    generated += 1
-                    delta = detok.push(token)
-                stop = stops.check(token, delta, generated, settings.max_new_tokens, len(cache), settings.max_length)
-                if delta:
-                    yield TextDelta(row, delta)
+                    tokens = self._choose(logits, drafts, settings, session.generator)
+                    cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+                    cache.extend(tokens[-1:])
+                    deltas = []
+                    for i, token in enumerate(tokens):  # each new token is checked in order
+                        generated += 1
+                        deltas.append(detok.push(token))
+                        stop = stops.check(token, deltas[-1], generated, settings.max_new_tokens, base + i + 1,
+                                           settings.max_length)
+                        if stop is not None:
+                            cache.truncate(base + i + 1)  # nothing after the stop is kept
+                            break
+                    if lookup:
+                        lookup.sync()
+                for delta in deltas:
+                    if delta:
+                        yield TextDelta(row, delta)
         finally:
             if not settings.use_cache:
                 cache.drop_kv()
@@ -353,6 +370,17 @@ class Engine:
             episode.segments.append(segment)
         yield SegmentFinished(row, segment)
         return segment
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:
+        """The new tokens: the drafts the model agrees with, then the model's own next token."""
+        if not drafts:
+            return [next_token(logits[-1], settings.temperature, settings.top_p, generator)]
+        greedy = logits.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
+            accepted += 1
+        return drafts[:accepted] + [greedy[accepted]]
 
     def _tool_segment(self, session: Session, episode: Episode, call_segment: Segment, settings: Settings,
                       row: int) -> Iterator[Event]:

@@ -63,8 +63,8 @@ class TokenCache:
         other._kv_ids = list(self._kv_ids)
         return other
 
-    def forward(self, model) -> tuple[torch.Tensor, int, int]:
-        """Feed the uncached ids through the model; return (last position's logits, fed, reused).
+    def forward(self, model, keep: int = 1) -> tuple[torch.Tensor, int, int]:
+        """Feed the uncached ids through the model; return (logits of the last `keep` positions, fed, reused).
 
         A fully cached sequence gives up its last cached position, so there is always a token to feed.
         """
@@ -76,11 +76,11 @@ class TokenCache:
         if self._kv is None:
             self._kv = DynamicCache(config=model.config)
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([new]), cache=self._kv, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=torch.tensor([new]), cache=self._kv, use_cache=True, logits_to_keep=keep)
         self._kv_ids.extend(new)
         if self._kv.get_seq_length() != len(self._kv_ids):
             raise CacheInvariantError(f"cache holds {self._kv.get_seq_length()} positions, expected {len(self._kv_ids)}")
-        return out.logits[0, -1], len(new), reused
+        return out.logits[0, -keep:], len(new), reused
 
     def check(self) -> None:
         """Raise if the cache does not cover an exact, strict prefix of the ids."""

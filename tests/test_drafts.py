@@ -1,0 +1,55 @@
+"""Prompt-lookup drafts: fewer forward passes, the same greedy tokens, and every limit still exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.decoding import Limit, PromptLookup, StopReason
+from app.engine import Engine, Settings
+
+QUESTIONS = ["What is 41 * 23?", "What does kludge mean?", "What is 1234 + 4321?"]
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_occurrence():
+    ids = [1, 2, 3, 4, 5, 9, 2, 3]
+    lookup = PromptLookup(ids)
+    assert lookup.propose(3) == [4, 5, 9]
+    ids.extend([7, 7])
+    lookup.sync()
+    assert lookup.propose(2) == []  # (3, 7, 7) and (7, 7) never occurred with a known continuation
+    ids.extend([8, 2, 3])
+    lookup.sync()
+    assert lookup.propose(4) == [7, 7, 8, 2]  # the most recent occurrence wins
+
+
+@pytest.fixture(scope="module")
+def engine(real):
+    return Engine(real)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_drafts_give_the_same_tokens_as_plain_greedy(engine, use_cache):
+    for question in QUESTIONS:
+        plain = engine.ask(engine.new_session(), question, Settings(max_new_tokens=40, use_cache=use_cache))
+        drafted = engine.ask(engine.new_session(), question,
+                             Settings(max_new_tokens=40, use_cache=use_cache, draft_tokens=8))
+        assert drafted.token_ids == plain.token_ids
+        assert [s.stop for s in drafted.segments] == [s.stop for s in plain.segments]
+        assert [s.generated_tokens for s in drafted.segments] == [s.generated_tokens for s in plain.segments]
+
+
+def test_drafts_respect_max_new_tokens(engine):
+    episode = engine.ask(engine.new_session(), QUESTIONS[0], Settings(max_new_tokens=7, draft_tokens=8, max_turns=0))
+    (segment,) = episode.segments
+    assert (segment.stop.reason, segment.stop.limit, segment.generated_tokens) == (
+        StopReason.MAX_LENGTH, Limit.MAX_NEW_TOKENS, 7)
+    assert segment.end - segment.start == 7
+
+
+def test_drafts_respect_max_length(engine):
+    session = engine.new_session()
+    budget = len(session.cache) + 12 + 9
+    episode = engine.ask(session, QUESTIONS[0], Settings(max_new_tokens=40, max_length=budget, draft_tokens=8))
+    assert episode.total_tokens <= budget and len(session.cache) <= budget
+    assert episode.stop.limit is Limit.MAX_LENGTH or episode.stop.reason is StopReason.STRING_MATCH
+    session.cache.check()
