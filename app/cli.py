@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ask.add_argument("--top-p", type=float, default=1.0)
     ask.add_argument("--seed", type=int, default=0)
+    ask.add_argument("--draft-tokens", type=int, default=8,
+                     help="greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)")
     ask.add_argument("--prompt", type=Path, help="a few-shot system prompt file ({tools} lists the tools)")
     ask.add_argument("--tools", help="comma-separated tool names, e.g. Calculator,Search")
     ask.add_argument("--json", action="store_true", help="one JSON object per question, one per line")
@@ -62,7 +64,8 @@ def _ask(args) -> int:
 
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
                         max_tool_response=args.max_tool_response, temperature=args.temperature,
-                        top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed)
+                        top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed,
+                        draft_tokens=args.draft_tokens)
     # Everything a user can get wrong is checked before the model loads (seconds).
     settings.validated(context_limit=10**6)
     for question in args.questions:

@@ -23,9 +23,9 @@ from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True)
+DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
-                "use_cache", "seed")
+                "use_cache", "seed", "draft_tokens")
 
 
 def tool_names() -> list[str]:

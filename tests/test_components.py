@@ -152,6 +152,15 @@ def test_settings_from_dict():
 
 
 # ---- handlers on a tiny forced model ----------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def one_token_per_pass(monkeypatch):
+    """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass."""
+    import dataclasses
+
+    from components import handlers
+
+    monkeypatch.setattr(handlers, "DEFAULTS", dataclasses.replace(handlers.DEFAULTS, draft_tokens=0))
+
 def request(key: str = "page-1"):
     return types.SimpleNamespace(session_hash=key)
 
