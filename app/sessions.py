@@ -1,7 +1,7 @@
 """Server-side store of chat sessions, keyed by the web session id (e.g. Gradio's session hash).
 
 No Gradio imports: the page hands in a key string. Each entry holds an engine Session (token ids, history,
-KV cache), the key of the engine that owns it (its tool set), a cancel Event for the stop button, and notes
+KV cache), the key of the engine that owns it (its tool set), its prompt template, a cancel Event for the stop button, and notes
 to show above the chat. Memory is bounded by a byte budget over the KV caches: when the total goes over,
 the least recently used sessions lose their KV (`cache.drop_kv()`, ids and history are kept; their next turn
 recomputes). Idle sessions are deleted after a timeout, and a session is freed when its page unloads.
@@ -40,6 +40,7 @@ class Entry:
 
     session: Session | None = None
     engine_key: tuple[str, ...] | None = None  # the tool set the session's system prompt lists
+    prompt: str | None = None  # the prompt template the session started from (None: the engine's default)
     cancel: threading.Event = field(default_factory=threading.Event)
     notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
     last_used: float = field(default_factory=time.monotonic)
@@ -105,7 +106,7 @@ class SessionStore:
         """A new chat: the session's history and cache go, the entry (and its cancel Event) stay."""
         entry = self.get(key)
         entry.cancel.set()  # a turn still running for this key stops at its next token
-        entry.session, entry.engine_key, entry.notes = None, None, []
+        entry.session, entry.engine_key, entry.prompt, entry.notes = None, None, None, []
         return entry
 
     def remove(self, key: str) -> bool:

@@ -8,17 +8,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import gradio as gr
 
-from app.engine import (Engine, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session, Settings,
-                        TextDelta)
+from app.compare import compare
+from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
+                        Settings, TextDelta, default_prompt_template)
 from app.model import LoadedModel
+from app.rewards import builtin_questions
 from app.sessions import Entry, SessionStore
 from app.tools.registry import default_tools
+from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
+                              rewards)
 from components.chat import chat_messages
+from components.compare import compare_markdown
 from components.stats import stats_markdown
+from components.timing import prefill_frame, segment_order, time_frame
 from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
@@ -28,8 +35,20 @@ SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response"
                 "use_cache", "seed", "draft_tokens")
 
 
+MAX_PROMPT_CHARS = 8000
+
+
 def tool_names() -> list[str]:
     return list(default_tools())
+
+
+def clean_prompt(prompt: str | None) -> str:
+    """The page's system prompt template, or a clear InputError (empty, too long)."""
+    if prompt is None or not prompt.strip():
+        raise InputError("the system prompt is empty; write one (`{tools}` is replaced by the tool list)")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InputError(f"the system prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})")
+    return prompt
 
 
 def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature) -> Settings:
@@ -125,18 +144,30 @@ class ChatService:
             return loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ---- sessions -------------------------------------------------------------------------------------------
-    def prepare(self, entry: Entry, engine: Engine, settings: Settings) -> Session:
-        """The entry's session for this engine: created when missing; a different tool set starts a new chat."""
+    def prepare(self, entry: Entry, engine: Engine, settings: Settings, prompt: str | None = None) -> Session:
+        """The entry's session for this engine and prompt template (None: the default one): created when
+        missing; a different tool set or prompt starts a new chat, with a note."""
         key = tuple(engine.tools)
-        if entry.session is not None and entry.engine_key != key:
+        prompt = default_prompt_template() if prompt is None else prompt
+        if entry.session is not None and (entry.engine_key != key or entry.prompt != prompt):
             if entry.session.episodes:
-                listed = ", ".join(key) or "none"
-                entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
+                if entry.engine_key != key:
+                    listed = ", ".join(key) or "none"
+                    entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
+                else:
+                    entry.notes = ["System prompt changed: started a new chat."]
             entry.session = None
         if entry.session is None:
-            entry.session = engine.new_session(use_cache=settings.use_cache, seed=settings.seed)
-            entry.engine_key = key
+            entry.session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
+            entry.engine_key, entry.prompt = key, prompt
         return entry.session
+
+    def matching_session(self, entry: Entry, engine: Engine, prompt: str) -> Session | None:
+        """The entry's session if it was started with this tool set and prompt (else None)."""
+        session = entry.session
+        if session is not None and entry.engine_key == tuple(engine.tools) and entry.prompt == prompt:
+            return session
+        return None
 
     def token_view(self, session: Session | None) -> list[tuple[str, str]]:
         if session is None:
@@ -147,7 +178,7 @@ class ChatService:
         return stats_markdown(session, self.store.stats())
 
     # ---- page events ----------------------------------------------------------------------------------------
-    def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
+    def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
              request: gr.Request) -> Iterator[tuple]:
         """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield."""
         key = request.session_hash
@@ -168,7 +199,7 @@ class ChatService:
             settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
             engine = self.engine_for(list(tools or []))
             settings = settings.validated(engine.context_limit)
-            session = self.prepare(entry, engine, settings)
+            session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             entry.cancel.clear()
             partial: str | None = None
             for event in engine.turn(session, message, settings, cancel=entry.cancel):
@@ -194,6 +225,89 @@ class ChatService:
             log.exception("turn failed for session %s", key)
             gr.Warning(f"internal error: {error}")
             yield view(f"error: internal error ({type(error).__name__}: {error})", textbox=message, full=True)
+
+    def timing(self, request: gr.Request) -> tuple:
+        """The timing charts of this visitor's chat: prefill tokens new vs reused, and ms, per segment."""
+        entry = self.store.peek(request.session_hash)
+        episodes = entry.session.episodes if entry is not None and entry.session is not None else []
+        tokens, ms = prefill_frame(episodes), time_frame(episodes)
+        order = segment_order(tokens)
+        return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order)
+
+    def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
+                request: gr.Request) -> Iterator[tuple]:
+        """The current question (message box, else the chat's last one) with the cache on and off, side by side,
+        on forks of this visitor's session (the chat is unchanged). Yields (result markdown, status)."""
+        entry = self.store.get(request.session_hash)
+        yield gr.skip(), "running: compare (cache on, then off)"
+        try:
+            question = (message or "").strip()
+            if not question:
+                last = entry.session.episodes[-1].question if entry.session and entry.session.episodes else ""
+                if not last:
+                    raise InputError("nothing to compare: type a question (or ask one in the chat first)")
+                question = last
+            settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
+            engine = self.engine_for(list(tools or []))
+            settings = settings.validated(engine.context_limit)
+            prompt = clean_prompt(prompt)
+            session = self.matching_session(entry, engine, prompt)
+            if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
+                session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
+            result = compare(engine, session, question, settings)
+            yield compare_markdown(result), "done"
+        except InputError as error:
+            gr.Warning(str(error))
+            yield gr.skip(), f"error: {error}"
+        except Exception as error:  # handler boundary
+            log.exception("compare failed for session %s", request.session_hash)
+            gr.Warning(f"internal error: {error}")
+            yield gr.skip(), f"error: internal error ({type(error).__name__}: {error})"
+
+    @staticmethod
+    def builtin_batch() -> str:
+        return format_items(builtin_questions())
+
+    def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
+              request: gr.Request) -> Iterator[tuple]:
+        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
+        entry = self.store.get(request.session_hash)
+        yield empty_frame(), "", "running"
+        try:
+            items = parse_batch(text)
+            settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
+            engine = self.engine_for(list(tools or []))
+            settings = settings.validated(engine.context_limit)
+            prompt = clean_prompt(prompt)
+            questions = [item.question for item in items]
+            entry.cancel.clear()
+            runs: list[BatchRun] = []
+            for cached in (True, False):
+                mode = "on" if cached else "off"
+                values = dataclasses.replace(settings, use_cache=cached)
+                episodes: list[Episode] = []
+                began = time.perf_counter()
+                for event in engine.stream_batch(questions, values, prompt, cancel=entry.cancel):
+                    if isinstance(event, EpisodeFinished):
+                        episodes.append(event.episode)
+                        yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(episodes)}/{len(items)} done"
+                runs.append(BatchRun(episodes, time.perf_counter() - began, cached))
+                if cached:  # show the rows as soon as the first pass is done
+                    yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"
+                if entry.cancel.is_set():
+                    break
+            on, off = runs[0], (runs[1] if len(runs) > 1 else None)
+            for episode, score in zip(on.episodes, rewards(on.episodes, items)):
+                episode.reward = score
+            status = "done" if not entry.cancel.is_set() else "done (stopped by user)"
+            yield batch_frame(on.episodes, items), batch_summary(items, on, off), status
+        except InputError as error:
+            gr.Warning(str(error))
+            yield gr.skip(), gr.skip(), f"error: {error}"
+        except Exception as error:  # handler boundary
+            log.exception("batch failed for session %s", request.session_hash)
+            gr.Warning(f"internal error: {error}")
+            yield gr.skip(), gr.skip(), f"error: internal error ({type(error).__name__}: {error})"
 
     def stop(self, request: gr.Request) -> None:
         self.store.cancel(request.session_hash)

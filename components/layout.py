@@ -7,7 +7,11 @@ from pathlib import Path
 import gradio as gr
 
 from app.config import ASSETS
+from app.engine import default_prompt_template
+from components.batch import MAX_BATCH, empty_frame
 from components.handlers import DEFAULTS, ChatService, tool_names
+from components.timing import COLOR_MAP as TIMING_COLORS
+from components.timing import prefill_frame, time_frame
 from components.tokens import COLOR_MAP
 
 MODEL = "model"  # the one concurrency group of every event that runs the model
@@ -33,16 +37,43 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
         with gr.Row():
             with gr.Column(scale=3):
-                chat = gr.Chatbot(elem_id="chat", label="Chat", height=640, group_consecutive_messages=False,
-                                  latex_delimiters=[], feedback_options=None, allow_tags=False)
-                msg = gr.Textbox(elem_id="msg", label="Message", placeholder="Ask something…", lines=1,
-                                 max_lines=6, submit_btn=False)
-                with gr.Row():
-                    send = gr.Button("Send", elem_id="send", variant="primary")
-                    stop = gr.Button("Stop", elem_id="stop", variant="stop")
-                    new_chat = gr.Button("New chat", elem_id="new-chat")
-                status = gr.Markdown("ready", elem_id="status")
-                gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
+                with gr.Tabs():
+                    with gr.Tab("Chat", id="chat-tab"):
+                        chat = gr.Chatbot(elem_id="chat", label="Chat", height=640, group_consecutive_messages=False,
+                                          latex_delimiters=[], feedback_options=None, allow_tags=False)
+                        msg = gr.Textbox(elem_id="msg", label="Message", placeholder="Ask something…", lines=1,
+                                         max_lines=6, submit_btn=False)
+                        with gr.Row():
+                            send = gr.Button("Send", elem_id="send", variant="primary")
+                            stop = gr.Button("Stop", elem_id="stop", variant="stop")
+                            new_chat = gr.Button("New chat", elem_id="new-chat")
+                            compare = gr.Button("Compare cache on/off", elem_id="compare")
+                        status = gr.Markdown("ready", elem_id="status")
+                        gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
+                        compare_result = gr.Markdown(
+                            "*Compare runs the message (or the chat's last question) with the KV cache on and "
+                            "off, from this point of the chat, without changing it.*", elem_id="compare-result")
+                        with gr.Row():
+                            timing = gr.BarPlot(prefill_frame([]), x="segment", y="tokens", color="part",
+                                                color_map=TIMING_COLORS, title="Prefill per segment: new vs reused",
+                                                x_title="turn.segment", y_title="tokens", tooltip="all",
+                                                x_label_angle=-40, elem_id="timing", height=300)
+                            timing_ms = gr.BarPlot(time_frame([]), x="segment", y="ms", color="kind",
+                                                   title="Time per segment", x_title="turn.segment", y_title="ms",
+                                                   tooltip="all", x_label_angle=-40, elem_id="timing-ms", height=300)
+                    with gr.Tab("Batch", id="batch-tab", elem_id="batch-tab"):
+                        gr.Markdown(f"One question per line, optionally `question | expected answer` (at most "
+                                    f"{MAX_BATCH}). The batch runs with the settings, tools and system prompt "
+                                    "on the right, twice: KV cache on, then off.")
+                        batch_questions = gr.Textbox(elem_id="batch-questions", label="Questions", lines=6,
+                                                     max_lines=20, placeholder="What is 41 * 23? | 943")
+                        with gr.Row():
+                            batch_load = gr.Button("Load the built-in set", elem_id="batch-load")
+                            batch_run = gr.Button("Run batch", elem_id="batch-run", variant="primary")
+                        batch_status = gr.Markdown("ready", elem_id="batch-status")
+                        batch_summary = gr.Markdown("", elem_id="batch-summary")
+                        batch_results = gr.Dataframe(empty_frame(), elem_id="batch-results", label="Per query",
+                                                     interactive=False, wrap=True)
             with gr.Column(scale=2):
                 with gr.Accordion("Settings", open=True):
                     use_cache = gr.Checkbox(DEFAULTS.use_cache, label="KV cache", elem_id="use-cache")
@@ -56,25 +87,40 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                             label="temperature (0 = greedy)", elem_id="temperature")
                     names = tool_names()
                     tools = gr.CheckboxGroup(names, value=names, label="Tools", elem_id="tools")
+                    prompt = gr.Textbox(default_prompt_template(), elem_id="system-prompt", lines=4, max_lines=12,
+                                        label="System prompt ({tools} is replaced by the checked tools, one per "
+                                              "line; a change starts a new chat)")
                 stats = gr.Markdown(service.stats(None), elem_id="stats")
                 tokens = gr.HighlightedText(label="Tokens (system · user · model · tool)", elem_id="tokens",
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
                                             show_inline_category=False)
 
-        turn_inputs = [msg, use_cache, max_length, max_new_tokens, max_turns, temperature, tools]
+        settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt]
+        turn_inputs = [msg, *settings_inputs]
         turn_outputs = [chat, msg, status, tokens, stats]
+        charts = dict(fn=service.timing, inputs=None, outputs=[timing, timing_ms], concurrency_id="charts",
+                      concurrency_limit=None, show_progress="hidden", api_visibility="private")
         turn = dict(fn=service.chat, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
                     concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn")
-        send.click(**turn)
-        msg.submit(**{**turn, "api_name": "ui_submit"})
+        send.click(**turn).then(**charts, api_name="ui_charts_send")
+        msg.submit(**{**turn, "api_name": "ui_submit"}).then(**charts, api_name="ui_charts_submit")
         # The stop button must not wait behind the running turn: its own group, no limit.
         stop.click(service.stop, None, None, concurrency_id="stop", concurrency_limit=None,
                    show_progress="hidden", api_visibility="private", api_name="ui_stop")
         new_chat.click(service.new_chat, None, [chat, msg, status, tokens, stats], concurrency_id="new-chat",
                        concurrency_limit=None, show_progress="hidden", api_visibility="private",
-                       api_name="ui_new_chat")
+                       api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
+        compare.click(service.compare, turn_inputs, [compare_result, status], concurrency_id=MODEL,
+                      concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_compare")
+        batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
+                         concurrency_limit=None, show_progress="hidden", api_visibility="private",
+                         api_name="ui_batch_load")
+        batch_run.click(service.batch, [batch_questions, *settings_inputs], [batch_results, batch_summary, batch_status],
+                        concurrency_id=MODEL, concurrency_limit=1, show_progress="hidden", api_visibility="private",
+                        api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,
-                  show_progress="hidden", api_visibility="private", api_name="ui_load")
+                  show_progress="hidden", api_visibility="private",
+                  api_name="ui_load").then(**charts, api_name="ui_charts_load")
         demo.unload(service.unload)
 
         gr.api(service.api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=1)

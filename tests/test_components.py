@@ -12,7 +12,7 @@ import gradio as gr
 import pytest
 
 from app.decoding import Limit, Stop, StopReason
-from app.engine import Episode, InputError, Segment, Span
+from app.engine import Episode, InputError, Segment, Span, default_prompt_template
 from app.sessions import MB, SessionStore, StoreStats
 from components.chat import (chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
@@ -174,9 +174,10 @@ def make_service(tiny_llama, plan=None, eos_ids=None):
 
 
 def turn(service, message, key="page-1", use_cache=True, max_length=4096, max_new_tokens=16, max_turns=4,
-         temperature=0, tools=("Calculator", "Search")):
+         temperature=0, tools=("Calculator", "Search"), prompt=None):
+    prompt = default_prompt_template() if prompt is None else prompt
     return list(service.chat(message, use_cache, max_length, max_new_tokens, max_turns, temperature, list(tools),
-                             request(key)))
+                             prompt, request(key)))
 
 
 @pytest.fixture
@@ -251,7 +252,7 @@ def test_cache_off_gives_the_same_tokens(tiny_llama):
 def test_stop_cancels_between_tokens_and_keeps_the_partial_segment(tiny_llama):
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
     outputs = []
-    for output in service.chat("go on", True, 4096, 200, 0, 0, [], request()):
+    for output in service.chat("go on", True, 4096, 200, 0, 0, [], default_prompt_template(), request()):
         outputs.append(output)
         if len(outputs) == 4:  # a few tokens in: press stop (its handler only sets the Event)
             service.stop(request())

@@ -1,0 +1,121 @@
+"""Batch tab: parse `question | expected` lines, score batch episodes, render rows and a summary.
+
+Pure functions over engine episodes (no server). A batch runs twice, cache on then off; the summary shows
+both totals, the speed-up and whether the two runs produced the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from app.engine import MAX_QUESTION_CHARS, Episode, InputError
+from app.rewards import exact_match
+from components.compare import speedup_text
+from components.chat import stop_text
+
+MAX_BATCH = 16
+COLUMNS = ["#", "question", "answer", "stops", "tool calls", "expected", "reward"]
+
+
+@dataclass(frozen=True)
+class Item:
+    question: str
+    expected: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """One pass over the batch: its episodes (in row order) and its wall time."""
+
+    episodes: list[Episode]
+    seconds: float
+    use_cache: bool
+
+
+def parse_batch(text: str | None, limit: int = MAX_BATCH) -> list[Item]:
+    """One question per non-empty line, optionally `question | expected answer`; clear errors otherwise."""
+    items = []
+    for number, line in enumerate((text or "").splitlines(), start=1):
+        if not line.strip():
+            continue
+        question, bar, expected = line.rpartition("|") if "|" in line else (line, "", None)
+        question = question.strip()
+        if not question:
+            raise InputError(f"line {number}: the question is empty")
+        if len(question) > MAX_QUESTION_CHARS:
+            raise InputError(f"line {number}: the question is too long ({len(question)} characters, "
+                             f"at most {MAX_QUESTION_CHARS})")
+        if bar and not expected.strip():
+            raise InputError(f"line {number}: the expected answer after | is empty")
+        items.append(Item(question, expected.strip() if bar else None))
+    if not items:
+        raise InputError("no questions: enter one per line (optionally `question | expected answer`)")
+    if len(items) > limit:
+        raise InputError(f"too many questions ({len(items)}, at most {limit})")
+    return items
+
+
+def format_items(pairs: list[tuple[str, str]]) -> str:
+    """Textbox text for (question, expected) pairs, e.g. the built-in set."""
+    return "\n".join(f"{q} | {a}" for q, a in pairs)
+
+
+def rewards(episodes: list[Episode], items: list[Item]) -> list[float | None]:
+    """exact_match of each submitted answer against its expected one; None where none is given."""
+    return [None if item.expected is None else exact_match(episode.answer, item.expected)
+            for episode, item in zip(episodes, items)]
+
+
+def accuracy(scores: list[float | None]) -> tuple[float, int] | None:
+    """(total reward, questions scored), or None when no question has an expected answer."""
+    scored = [s for s in scores if s is not None]
+    return (sum(scored), len(scored)) if scored else None
+
+
+def stops_text(episode: Episode) -> str:
+    return " → ".join(stop_text(s.stop) for s in episode.model_segments) or "—"
+
+
+def tool_calls_text(episode: Episode) -> str:
+    calls = [f"{s.tool}: {s.query}" if s.tool else "malformed" for s in episode.segments if s.kind == "tool"]
+    return "; ".join(calls) or "—"
+
+
+def batch_frame(episodes: list[Episode], items: list[Item]) -> pd.DataFrame:
+    """One row per query: the answer, the stop reasons of its model segments, tool calls, reward."""
+    scores = rewards(episodes, items)
+    rows = [[row, item.question, episode.answer, stops_text(episode), tool_calls_text(episode),
+             item.expected if item.expected is not None else "", "" if score is None else f"{score:g}"]
+            for row, (episode, item, score) in enumerate(zip(episodes, items, scores), start=1)]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def empty_frame() -> pd.DataFrame:
+    return pd.DataFrame([], columns=COLUMNS)
+
+
+def identical(a: BatchRun, b: BatchRun) -> bool:
+    return len(a.episodes) == len(b.episodes) and all(
+        x.token_ids == y.token_ids for x, y in zip(a.episodes, b.episodes))
+
+
+def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) -> str:
+    """Accuracy and the total time with the cache on (and off, with the speed-up and an identity check)."""
+    lines = []
+    score = accuracy(rewards(on.episodes, items))
+    if score is None:
+        lines.append("accuracy: n/a (no expected answers given)")
+    else:
+        total, scored = score
+        lines.append(f"accuracy: {total:g}/{scored} = {100 * total / scored:.0f}%")
+    tokens = sum(e.prefill_tokens for e in on.episodes)
+    lines.append(f"total time, cache on: {on.seconds:.2f} s ({len(on.episodes)} queries, {tokens} tokens prefilled, "
+                 f"{sum(e.reused_tokens for e in on.episodes)} reused)")
+    if off is not None:
+        lines.append(f"total time, cache off: {off.seconds:.2f} s "
+                     f"({sum(e.prefill_tokens for e in off.episodes)} tokens prefilled)")
+        speedup = off.seconds / on.seconds if on.seconds > 0 else float("inf")
+        lines.append(f"speed-up: {speedup_text(speedup)} · identical answers: {'yes' if identical(on, off) else 'no'}")
+    return "  \n".join(lines)

@@ -1,0 +1,54 @@
+"""Timing chart: each segment's prefill split into new vs reused tokens, and its time, as pandas DataFrames
+for gr.BarPlot. Pure functions over engine episodes, testable without a server.
+
+Segments are labelled `T<turn>.<n> <kind>` (turn and segment numbers from 1) in chat order, so the chart
+shows turn 1's first segment and every later segment side by side: with the cache on, only the new tokens
+of each segment go through the model; the rest are reused.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from app.engine import Episode
+
+PREFILL_COLUMNS = ["segment", "part", "tokens", "ms", "turn", "kind"]
+TIME_COLUMNS = ["segment", "kind", "ms", "turn"]
+PARTS = ("new", "reused")
+COLOR_MAP = {"new": "#f97316", "reused": "#22c55e"}
+MAX_TURNS_SHOWN = 8  # the chart keeps the last turns readable
+
+
+def segment_label(turn: int, index: int, kind: str) -> str:
+    return f"T{turn}.{index} {kind}"
+
+
+def _numbered(episodes: list[Episode], last: int | None):
+    start = max(0, len(episodes) - last) if last else 0
+    for turn, episode in enumerate(episodes[start:], start=start + 1):
+        for index, segment in enumerate(episode.segments, start=1):
+            yield turn, segment_label(turn, index, segment.kind), segment
+
+
+def prefill_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -> pd.DataFrame:
+    """Two rows per segment: its prefill tokens that were new (fed through the model) and reused (from cache).
+
+    Tool segments feed nothing through the model when inserted (their tokens are prefilled by the next model
+    segment), so their rows are 0 and 0; their time is the tool's run time.
+    """
+    rows = []
+    for turn, label, segment in _numbered(episodes, last):
+        for part, tokens in zip(PARTS, (segment.prefill_tokens, segment.cached_tokens)):
+            rows.append([label, part, int(tokens), round(float(segment.ms), 1), turn, segment.kind])
+    return pd.DataFrame(rows, columns=PREFILL_COLUMNS)
+
+
+def time_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -> pd.DataFrame:
+    """One row per segment: its wall time in ms."""
+    rows = [[label, segment.kind, round(float(segment.ms), 1), turn] for turn, label, segment in _numbered(episodes, last)]
+    return pd.DataFrame(rows, columns=TIME_COLUMNS)
+
+
+def segment_order(frame: pd.DataFrame) -> list[str]:
+    """The x categories in chat order (for BarPlot's `sort`)."""
+    return list(dict.fromkeys(frame["segment"]))

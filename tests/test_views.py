@@ -1,0 +1,245 @@
+"""Compare, timing chart and batch views: pure renderers on hand-built episodes, and their handlers on the
+tiny forced model (tests/conftest.py), with the custom system prompt and tool subset."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gradio as gr
+import pandas as pd
+import pytest
+
+from app.compare import Comparison
+from app.decoding import Limit, Stop, StopReason
+from app.engine import MAX_QUESTION_CHARS, Episode, InputError, Segment, default_prompt_template
+from app.rewards import builtin_questions, exact_match
+from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summary, format_items, parse_batch,
+                              rewards)
+from components.compare import compare_markdown
+from components.timing import prefill_frame, segment_order, time_frame
+from tests.conftest import plan_text
+from tests.test_components import calculator_episode, make_service, request, turn
+
+CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
+SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
+SETTINGS = (True, 4096, 16, 4, 0)  # use_cache, max_length, max_new_tokens, max_turns, temperature
+TOOLS = ["Calculator", "Search"]
+
+
+@pytest.fixture(autouse=True)
+def one_token_per_pass(monkeypatch):
+    """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass."""
+    from components import handlers
+
+    monkeypatch.setattr(handlers, "DEFAULTS", dataclasses.replace(handlers.DEFAULTS, draft_tokens=0))
+
+
+def answer_episode(question: str, text: str, use_cache: bool = True, ms: float = 500.0) -> Episode:
+    episode = Episode(question, 700, 710, use_cache=use_cache)
+    episode.segments = [Segment("model", text, 710, 720, stop=SUBMIT_STOP, prefill_tokens=10 if use_cache else 710,
+                                cached_tokens=700 if use_cache else 0, generated_tokens=10, ms=ms)]
+    episode.token_ids = list(range(20))
+    return episode
+
+
+# ---- timing chart -----------------------------------------------------------------------------------------
+def test_timing_frames_equal_the_segment_stats():
+    first = calculator_episode()
+    second = Episode("And 2 + 2?", 744, 755, use_cache=True)
+    second.segments = [Segment("model", "Result = 4<submit>", 755, 763, stop=SUBMIT_STOP, prefill_tokens=12,
+                               cached_tokens=743, generated_tokens=8, ms=400.25)]
+    frame = prefill_frame([first, second])
+    segments = [(1, s) for s in first.segments] + [(2, s) for s in second.segments]
+    assert len(frame) == 2 * len(segments)
+    for (turn, segment), (_, new), (_, reused) in zip(segments, frame.iloc[0::2].iterrows(),
+                                                      frame.iloc[1::2].iterrows()):
+        assert (new["part"], new["tokens"], new["kind"], new["turn"]) == ("new", segment.prefill_tokens,
+                                                                          segment.kind, turn)
+        assert (reused["part"], reused["tokens"]) == ("reused", segment.cached_tokens)
+        assert new["ms"] == reused["ms"] == round(segment.ms, 1)
+        assert new["segment"] == reused["segment"]
+    assert segment_order(frame) == ["T1.1 model", "T1.2 tool", "T1.3 model", "T2.1 model"]
+    by_part = frame.groupby("part")["tokens"].sum()
+    assert by_part["new"] == first.prefill_tokens + second.prefill_tokens
+    assert by_part["reused"] == first.reused_tokens + second.reused_tokens
+    times = time_frame([first, second])
+    assert list(times["segment"]) == segment_order(frame)
+    assert list(times["ms"]) == [round(s.ms, 1) for _, s in segments]
+    assert prefill_frame([]).empty and time_frame([]).empty
+    assert list(prefill_frame([first, second], last=1)["segment"].unique()) == ["T2.1 model"]
+    plot = gr.BarPlot(x="segment", y="tokens", color="part").postprocess(frame)
+    assert plot.datatypes["segment"] == "nominal" and plot.datatypes["tokens"] == "quantitative"
+
+
+# ---- compare ------------------------------------------------------------------------------------------------
+def test_compare_markdown_shows_both_columns_identity_and_speedup():
+    on, off = answer_episode("What is 6*7?", "Result = 42<submit>"), answer_episode("What is 6*7?",
+                                                                                   "Result = 42<submit>", False)
+    text = compare_markdown(Comparison(on, off, cached_s=0.5, uncached_s=1.0))
+    assert "| | cache on | cache off |" in text
+    assert "| tokens prefilled | 10 | 710 |" in text and "| tokens reused | 700 | 0 |" in text
+    assert "| wall time | 0.50 s | 1.00 s |" in text
+    assert "identical tokens: yes" in text and "2.00×" in text
+    assert text.count("Result = 42&lt;submit&gt;") == 2
+    off.token_ids = [1, 2, 3]
+    assert "identical tokens: no" in compare_markdown(Comparison(on, off, cached_s=0.0, uncached_s=1.0))
+    assert "∞" in compare_markdown(Comparison(on, off, cached_s=0.0, uncached_s=1.0))
+
+
+# ---- batch --------------------------------------------------------------------------------------------------
+def test_parse_batch_lines_expected_answers_and_limits():
+    items = parse_batch("What is 2+2? | 4\n\n  Hello  \nWhat is a|b? | x\n")
+    assert items == [Item("What is 2+2?", "4"), Item("Hello", None), Item("What is a|b?", "x")]
+    assert parse_batch(format_items(builtin_questions()))[0] == Item(*builtin_questions()[0])
+    for text, message in [("", "no questions"), ("  \n ", "no questions"), ("| 4", "line 1: the question is empty"),
+                          ("ok\nq |  ", "line 2: the expected answer after | is empty"),
+                          ("x" * (MAX_QUESTION_CHARS + 1), "too long"),
+                          ("\n".join(["q"] * 17), r"too many questions \(17, at most 16\)")]:
+        with pytest.raises(InputError, match=message):
+            parse_batch(text)
+
+
+def test_batch_rewards_accuracy_rows_and_summary():
+    items = [Item("What is 41 * 23?", "943"), Item("What is 96 / 8?", "12"), Item("Hi", None),
+             Item("What is 1,000 + 234?", "1,234")]
+    on = [answer_episode(items[0].question, "Result = 943<submit>"),
+          answer_episode(items[1].question, "Result = 13<submit>"),
+          answer_episode(items[2].question, "Hello<submit>"),
+          answer_episode(items[3].question, "Result = 1234.<submit>")]
+    on[0].segments.insert(0, Segment("tool", "943<response>", 700, 705, tool="Calculator", query="41 * 23"))
+    scores = rewards(on, items)
+    assert scores == [exact_match("Result = 943", "943"), 0.0, None, 1.0] == [1.0, 0.0, None, 1.0]
+    assert accuracy(scores) == (2.0, 3)
+    assert accuracy([None]) is None
+    frame = batch_frame(on, items)
+    assert list(frame["reward"]) == ["1", "0", "", "1"]
+    assert list(frame["answer"]) == ["Result = 943", "Result = 13", "Hello", "Result = 1234."]
+    assert frame.loc[0, "stops"] == "string match <submit>" and frame.loc[0, "tool calls"] == "Calculator: 41 * 23"
+    assert frame.loc[1, "tool calls"] == "—"
+    off = [dataclasses.replace(e, use_cache=False) for e in on]
+    summary = batch_summary(items, BatchRun(on, 2.0, True), BatchRun(off, 5.0, False))
+    assert "accuracy: 2/3 = 67%" in summary
+    assert "total time, cache on: 2.00 s" in summary and "total time, cache off: 5.00 s" in summary
+    assert "speed-up: 2.50× · identical answers: yes" in summary
+    off[1] = answer_episode(items[1].question, "Result = 12<submit>")
+    off[1].token_ids = [9]
+    assert "identical answers: no" in batch_summary(items, BatchRun(on, 2.0, True), BatchRun(off, 5.0, False))
+    assert "accuracy: n/a" in batch_summary([Item("Hi")], BatchRun(on[2:3], 1.0, True))
+
+
+# ---- handlers on the tiny forced model ------------------------------------------------------------------
+def steps(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def answers_plan(tokenizer, runs: int, *answers: tuple[str, ...]) -> dict[int, int]:
+    """Force each episode's model segments in order, `runs` times over (cache on, then off)."""
+    plan, step = {}, 0
+    for _ in range(runs):
+        for pieces in answers:
+            for piece in pieces:
+                plan.update(plan_text(tokenizer, (step, piece)))
+                step += steps(tokenizer, piece)
+    return plan
+
+
+CALC = ("<request><Calculator>41*23<call>", "Result = 943<submit>")
+
+
+def compare_outputs(service, message="", key="page-1", tools=TOOLS, prompt=None):
+    prompt = default_prompt_template() if prompt is None else prompt
+    return list(service.compare(message, *SETTINGS, tools, prompt, request(key)))
+
+
+def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(tiny_llama, tokenizer):
+    service, loaded = make_service(tiny_llama, answers_plan(tokenizer, 2, CALC))
+    outputs = compare_outputs(service, "What is 41 * 23?")  # no chat yet: a fresh session
+    assert outputs[0][1].startswith("running")
+    text, status = outputs[-1]
+    assert status == "done"
+    assert "identical tokens: yes" in text and "| | cache on | cache off |" in text
+    assert text.count("Result = 943&lt;submit&gt;") == 2
+    assert service.store.peek("page-1").session is None  # compare never creates or changes the chat
+    # with a chat: an empty message box compares the chat's last question, on forks of the session
+    loaded.model.plan, loaded.model.step = answers_plan(tokenizer, 3, CALC), 0
+    turn(service, "What is 41 * 23?")
+    session = service.store.peek("page-1").session
+    before = (list(session.cache.ids), len(session.episodes))
+    text, status = compare_outputs(service, "")[-1]
+    assert status == "done" and "Question: What is 41 \\* 23?" in text and "identical tokens: yes" in text
+    assert (session.cache.ids, len(session.episodes)) == before
+    assert service.store.peek("page-1").session is session
+
+
+def test_compare_errors_are_messages(tiny_llama):
+    service, _ = make_service(tiny_llama)
+    assert compare_outputs(service, "  ")[-1][1].startswith("error: nothing to compare")
+    assert compare_outputs(service, "x", prompt="  ")[-1][1].startswith("error: the system prompt is empty")
+
+
+def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, tokenizer):
+    answers = (CALC, ("Result = 13<submit>",))
+    service, _ = make_service(tiny_llama, answers_plan(tokenizer, 2, *answers))
+    text = "What is 41 * 23? | 943\nWhat is 96 / 8? | 12"
+    outputs = list(service.batch(text, *SETTINGS, TOOLS, default_prompt_template(), request()))
+    frame, summary, status = outputs[-1]
+    assert status == "done" and outputs[0][2] == "running"
+    assert any("cache off" in str(o[2]) for o in outputs)
+    assert isinstance(frame, pd.DataFrame) and list(frame["reward"]) == ["1", "0"]
+    assert list(frame["answer"]) == ["Result = 943", "Result = 13"]
+    assert frame.loc[0, "stops"] == "string match <call> → string match <submit>"
+    assert frame.loc[0, "tool calls"] == "Calculator: 41*23"
+    assert "accuracy: 1/2 = 50%" in summary
+    assert "total time, cache on:" in summary and "total time, cache off:" in summary
+    assert "identical answers: yes" in summary
+    assert service.store.peek("page-1").session is None  # the chat is untouched
+
+
+def test_batch_input_errors(tiny_llama):
+    service, _ = make_service(tiny_llama)
+    for text, message in [("", "error: no questions"), ("\n".join(["q"] * 17), "error: too many questions")]:
+        assert list(service.batch(text, *SETTINGS, TOOLS, "p", request()))[-1][2].startswith(message)
+    assert list(service.batch("q", *SETTINGS, ["Shell"], "p", request()))[-1][2].startswith("error: unknown tool")
+    assert list(service.batch("q", *SETTINGS, TOOLS, "", request()))[-1][2].startswith(
+        "error: the system prompt is empty")
+    assert "Result" not in service.builtin_batch().splitlines()[0]
+    assert service.builtin_batch().splitlines()[0] == "What is 41 * 23? | 943"
+
+
+def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(tiny_llama):
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    custom = "You are Custom Bot. Tools you may call:\n{tools}\n"
+    chat, _, status, tokens, _ = turn(service, "hi", tools=["Calculator"], prompt=custom, max_new_tokens=2)[-1]
+    assert status == "done"
+    system = tokens[0]
+    assert system[1] == "system" and system[0].startswith("You are Custom Bot. Tools you may call:\n- Calculator:")
+    assert "- Search:" not in system[0] and "{tools}" not in system[0]
+    entry = service.store.peek("page-1")
+    assert entry.prompt == custom and entry.engine_key == ("Calculator",)
+    first = entry.session
+    # same prompt again: the chat continues
+    turn(service, "more", tools=["Calculator"], prompt=custom, max_new_tokens=2)
+    assert entry.session is first and len(first.episodes) == 2
+    # a changed prompt starts a new chat with a visible note
+    chat, _, status, tokens, _ = turn(service, "again", tools=["Calculator"], prompt="Other. {tools}",
+                                      max_new_tokens=2)[-1]
+    assert status == "done" and entry.session is not first and len(entry.session.episodes) == 1
+    assert chat[0]["metadata"]["title"] == "Note" and "System prompt changed" in chat[0]["content"]
+    assert tokens[0][0].startswith("Other. - Calculator:")
+    # an empty prompt is an error; the chat is kept
+    chat, textbox, status, _, _ = turn(service, "keep me", prompt="   ")[-1]
+    assert status.startswith("error: the system prompt is empty") and textbox == "keep me"
+    assert len(entry.session.episodes) == 1
+
+
+def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
+    service, _ = make_service(tiny_llama, answers_plan(tokenizer, 1, CALC))
+    tokens_plot, ms_plot = service.timing(request())
+    assert tokens_plot.value is None or tokens_plot.value["data"] == []
+    turn(service, "What is 41 * 23?")
+    tokens_plot, ms_plot = service.timing(request())
+    episode = service.store.peek("page-1").session.episodes[-1]
+    frame = prefill_frame([episode])
+    assert tokens_plot.sort == segment_order(frame) == ["T1.1 model", "T1.2 tool", "T1.3 model"]
+    assert tokens_plot.value["data"] == frame.values.tolist()
+    assert [row[2] for row in ms_plot.value["data"]] == [round(s.ms, 1) for s in episode.segments]
