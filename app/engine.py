@@ -271,6 +271,9 @@ class Engine:
                     base = TokenCache(encode(self.loaded.tokenizer, prompt))
                 if not base.ids:
                     raise InputError("the system prompt is empty")
+                if len(base) >= self.context_limit:
+                    raise InputError(f"the system prompt has {len(base)} tokens; the model reads at most "
+                                     f"{self.context_limit}")
                 self._prompt_caches[prompt] = base
                 while len(self._prompt_caches) > self.PROMPT_CACHE_SIZE:
                     self._prompt_caches.popitem(last=False)

@@ -45,10 +45,10 @@ def episode_text(episode) -> str:
     return "".join(s.text for s in episode.segments)
 
 
-def run_ours(use_cache: bool) -> dict:
+def run_ours(use_cache: bool, draft_tokens: int) -> dict:
     """Per-episode and batch runs on this project's engine (the shared prompt cache is built once, timed apart)."""
     engine = Engine(load_model(), tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt())
-    settings = Settings(use_cache=use_cache, **SETTINGS)
+    settings = Settings(use_cache=use_cache, draft_tokens=draft_tokens, **SETTINGS)
     began = time.perf_counter()
     engine.new_session(use_cache=use_cache)  # one prefill of the prompt per process, shared by every session
     prompt_seconds = time.perf_counter() - began if use_cache else 0.0
@@ -78,46 +78,43 @@ def run_ours(use_cache: bool) -> dict:
     )
 
 
-def table(trl: dict, on: dict, off: dict) -> list[tuple[str, str, str, str]]:
-    t, a, b = trl["per_episode"], on["per_episode"], off["per_episode"]
+def table(trl: dict, ours: dict[str, dict]) -> list[list[str]]:
+    t = trl["per_episode"]
+    runs = list(ours.values())
     rows = [
-        ("prompt tokens", str(trl["prompt_tokens"]), str(on["prompt_tokens"]), str(off["prompt_tokens"])),
-        ("per episode, mean s", f"{t['mean_seconds']:.2f}", f"{a['mean_seconds']:.2f}", f"{b['mean_seconds']:.2f}"),
-        ("per episode, median s", f"{t['median_seconds']:.2f}", f"{a['median_seconds']:.2f}",
-         f"{b['median_seconds']:.2f}"),
-        ("ratio to TRL (mean)", "1.00", f"{a['mean_seconds'] / t['mean_seconds']:.3f}",
-         f"{b['mean_seconds'] / t['mean_seconds']:.3f}"),
-        ("accuracy", f"{t['accuracy']:.2f}", f"{a['accuracy']:.2f}", f"{b['accuracy']:.2f}"),
-        ("prefill tokens / episode", f"{t['mean_prefill_tokens']:.0f}", f"{a['mean_prefill_tokens']:.0f}",
-         f"{b['mean_prefill_tokens']:.0f}"),
-        ("one-time prompt prefill s", "-", f"{on['prompt_seconds']:.2f}", "-"),
+        ["prompt tokens", str(trl["prompt_tokens"]), *(str(r["prompt_tokens"]) for r in runs)],
+        ["per episode, mean s", f"{t['mean_seconds']:.2f}", *(f"{r['per_episode']['mean_seconds']:.2f}" for r in runs)],
+        ["per episode, median s", f"{t['median_seconds']:.2f}",
+         *(f"{r['per_episode']['median_seconds']:.2f}" for r in runs)],
+        ["ratio to TRL (mean)", "1.00", *(f"{r['per_episode']['mean_seconds'] / t['mean_seconds']:.3f}" for r in runs)],
+        ["accuracy", f"{t['accuracy']:.2f}", *(f"{r['per_episode']['accuracy']:.2f}" for r in runs)],
+        ["prefill tokens / episode", f"{t['mean_prefill_tokens']:.0f}",
+         *(f"{r['per_episode']['mean_prefill_tokens']:.0f}" for r in runs)],
+        ["one-time prompt prefill s", "-", *(f"{r['prompt_seconds']:.2f}" if r["prompt_seconds"] else "-" for r in runs)],
     ]
-    if trl.get("batch") and "seconds" in trl["batch"]:
-        tb = trl["batch"]
+    tb = trl.get("batch") or {}
+    if "seconds" in tb:
         rows += [
-            ("batch of 8, s", f"{tb['seconds']:.2f}", f"{on['batch']['seconds']:.2f}", f"{off['batch']['seconds']:.2f}"),
-            ("batch ratio to TRL", "1.00", f"{on['batch']['seconds'] / tb['seconds']:.3f}",
-             f"{off['batch']['seconds'] / tb['seconds']:.3f}"),
-            ("batch accuracy", f"{tb['accuracy']:.2f}", f"{on['batch']['accuracy']:.2f}",
-             f"{off['batch']['accuracy']:.2f}"),
-            ("batch prefill tokens", str(tb["prefill_tokens"]), str(on["batch"]["prefill_tokens"]),
-             str(off["batch"]["prefill_tokens"])),
+            ["batch of 8, s", f"{tb['seconds']:.2f}", *(f"{r['batch']['seconds']:.2f}" for r in runs)],
+            ["batch ratio to TRL", "1.00", *(f"{r['batch']['seconds'] / tb['seconds']:.3f}" for r in runs)],
+            ["batch accuracy", f"{tb['accuracy']:.2f}", *(f"{r['batch']['accuracy']:.2f}" for r in runs)],
+            ["batch prefill tokens", str(tb["prefill_tokens"]), *(str(r["batch"]["prefill_tokens"]) for r in runs)],
         ]
     return rows
 
 
-def chart(trl: dict, on: dict, off: dict, path: Path) -> None:
+def chart(trl: dict, ours: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["TRL 0.20.0", "TextEnv Chat\ncache off", "TextEnv Chat\ncache on"]
-    seconds = [trl["per_episode"]["mean_seconds"], off["per_episode"]["mean_seconds"], on["per_episode"]["mean_seconds"]]
-    prefill = [trl["per_episode"]["mean_prefill_tokens"], off["per_episode"]["mean_prefill_tokens"],
-               on["per_episode"]["mean_prefill_tokens"]]
-    colors = ["#9ca3af", "#f59e0b", "#4f46e5"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
+    names = ["TRL 0.20.0", *(name.replace(", ", "\n") for name in ours)]
+    runs = [trl, *ours.values()]
+    seconds = [r["per_episode"]["mean_seconds"] for r in runs]
+    prefill = [r["per_episode"]["mean_prefill_tokens"] for r in runs]
+    colors = ["#9ca3af", "#f59e0b", "#818cf8", "#4f46e5"][: len(runs)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     for ax, values, title, fmt in ((left, seconds, "seconds per episode (mean of 8)", "{:.2f} s"),
                                    (right, prefill, "tokens prefilled per episode", "{:.0f}")):
         bars = ax.bar(names, values, color=colors)
@@ -125,8 +122,8 @@ def chart(trl: dict, on: dict, off: dict, path: Path) -> None:
         ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=9)
         ax.spines[["top", "right"]].set_visible(False)
         ax.tick_params(labelsize=8)
-    fig.suptitle("Same workload: SmolLM2-135M, 1,159-token few-shot prompt, 8 calculator questions, 2 CPU threads",
-                 fontsize=9)
+    fig.suptitle(f"Same workload: SmolLM2-135M, {trl['prompt_tokens']}-token few-shot prompt, "
+                 "8 calculator questions, greedy, 2 CPU threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -141,14 +138,19 @@ def main() -> None:
     out_dir = HERE / "out"
     out_dir.mkdir(exist_ok=True)
     trl = json.loads(args.trl_json.read_text()) if args.trl_json else run_trl(args.venv, out_dir / "trl.json", args.threads)
-    on, off = run_ours(use_cache=True), run_ours(use_cache=False)
-    (out_dir / "ours.json").write_text(json.dumps({"cache_on": on, "cache_off": off}, indent=1))
-    rows = table(trl, on, off)
-    print(f"\n{'':28}{'TRL 0.20.0':>12}{'ours, cache':>14}{'ours, no cache':>16}")
-    for name, *values in rows:
-        print(f"{name:28}{values[0]:>12}{values[1]:>14}{values[2]:>16}")
-    print(f"\nversions: TRL side {trl['versions']}; ours torch {torch.__version__}")
-    chart(trl, on, off, CHART)
+    ours = {"ours, no cache": run_ours(use_cache=False, draft_tokens=0),
+            "ours, cache": run_ours(use_cache=True, draft_tokens=0),
+            "ours, cache + drafts": run_ours(use_cache=True, draft_tokens=8)}
+    (out_dir / "ours.json").write_text(json.dumps(ours, indent=1))
+    header = ["", "TRL 0.20.0", *ours]
+    widths = [28] + [max(12, len(h) + 2) for h in header[1:]]
+    print("\n" + "".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w) in enumerate(zip(header, widths))))
+    for row in table(trl, ours):
+        print("".join(f"{v:>{w}}" if i else f"{v:<{w}}" for i, (v, w) in enumerate(zip(row, widths))))
+    same = len({json.dumps([e["answer"] for e in r["episodes"]]) for r in ours.values()}) == 1
+    print(f"\nsame answers in all three runs of ours: {same}")
+    print(f"versions: TRL side {trl['versions']}; ours torch {torch.__version__}")
+    chart(trl, ours, CHART)
     print(f"chart: {CHART.relative_to(ROOT)}")
 
 

@@ -175,3 +175,10 @@ def test_closing_the_stream_records_the_partial_segment(tiny_llama):
     assert episode.finished and episode.segments[0].stop.reason is StopReason.CANCELLED
     assert episode.segments[0].end == len(session.cache)
     session.cache.check()
+
+
+@pytest.mark.parametrize("prompt, message", [("", "system prompt is empty"), ("word " * 5000, "model reads at most")])
+def test_unusable_system_prompts_are_clear_errors(tiny_llama, prompt, message):
+    engine = Engine(tiny_llama)
+    with pytest.raises(InputError, match=message):
+        engine.new_session(prompt=prompt)
