@@ -25,7 +25,7 @@ from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame,
 from components.chat import chat_messages
 from components.compare import compare_markdown
 from components.stats import stats_markdown
-from components.timing import prefill_frame, segment_order, time_frame
+from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
@@ -227,12 +227,23 @@ class ChatService:
             yield view(f"error: internal error ({type(error).__name__}: {error})", textbox=message, full=True)
 
     def timing(self, request: gr.Request) -> tuple:
-        """The timing charts of this visitor's chat: prefill tokens new vs reused, and ms, per segment."""
+        """The timing view of this visitor's chat: charts of prefill tokens (new vs reused) and ms per segment,
+        and a one-line summary of the last turn."""
         entry = self.store.peek(request.session_hash)
         episodes = entry.session.episodes if entry is not None and entry.session is not None else []
         tokens, ms = prefill_frame(episodes), time_frame(episodes)
         order = segment_order(tokens)
-        return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order)
+        return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order), timing_summary(episodes)
+
+    def chat_page(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
+                  request: gr.Request) -> Iterator[tuple]:
+        """chat() plus the timing view, which arrives with the turn's final status (done / error)."""
+        for output in self.chat(message, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
+                                prompt, request):
+            if output[2] == "running":
+                yield (*output, gr.skip(), gr.skip(), gr.skip())
+            else:
+                yield (*output, *self.timing(request))
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
                 request: gr.Request) -> Iterator[tuple]:

@@ -11,7 +11,7 @@ from app.engine import default_prompt_template
 from components.batch import MAX_BATCH, empty_frame
 from components.handlers import DEFAULTS, ChatService, tool_names
 from components.timing import COLOR_MAP as TIMING_COLORS
-from components.timing import prefill_frame, time_frame
+from components.timing import prefill_frame, time_frame, timing_summary
 from components.tokens import COLOR_MAP
 
 MODEL = "model"  # the one concurrency group of every event that runs the model
@@ -61,6 +61,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             timing_ms = gr.BarPlot(time_frame([]), x="segment", y="ms", color="kind",
                                                    title="Time per segment", x_title="turn.segment", y_title="ms",
                                                    tooltip="all", x_label_angle=-40, elem_id="timing-ms", height=300)
+                        timing_text = gr.Markdown(timing_summary([]), elem_id="timing-summary")
                     with gr.Tab("Batch", id="batch-tab", elem_id="batch-tab"):
                         gr.Markdown(f"One question per line, optionally `question | expected answer` (at most "
                                     f"{MAX_BATCH}). The batch runs with the settings, tools and system prompt "
@@ -73,7 +74,8 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                         batch_status = gr.Markdown("ready", elem_id="batch-status")
                         batch_summary = gr.Markdown("", elem_id="batch-summary")
                         batch_results = gr.Dataframe(empty_frame(), elem_id="batch-results", label="Per query",
-                                                     interactive=False, wrap=True)
+                                                     interactive=False, wrap=True,
+                                                     column_widths=["5%", "20%", "20%", "22%", "17%", "9%", "7%"])
             with gr.Column(scale=2):
                 with gr.Accordion("Settings", open=True):
                     use_cache = gr.Checkbox(DEFAULTS.use_cache, label="KV cache", elem_id="use-cache")
@@ -87,7 +89,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                             label="temperature (0 = greedy)", elem_id="temperature")
                     names = tool_names()
                     tools = gr.CheckboxGroup(names, value=names, label="Tools", elem_id="tools")
-                    prompt = gr.Textbox(default_prompt_template(), elem_id="system-prompt", lines=4, max_lines=12,
+                    prompt = gr.Textbox(default_prompt_template(), elem_id="system-prompt", lines=3, max_lines=8,
                                         label="System prompt ({tools} is replaced by the checked tools, one per "
                                               "line; a change starts a new chat)")
                 stats = gr.Markdown(service.stats(None), elem_id="stats")
@@ -97,13 +99,15 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
 
         settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt]
         turn_inputs = [msg, *settings_inputs]
-        turn_outputs = [chat, msg, status, tokens, stats]
-        charts = dict(fn=service.timing, inputs=None, outputs=[timing, timing_ms], concurrency_id="charts",
+        charts_outputs = [timing, timing_ms, timing_text]
+        turn_outputs = [chat, msg, status, tokens, stats, *charts_outputs]
+        charts = dict(fn=service.timing, inputs=None, outputs=charts_outputs, concurrency_id="charts",
                       concurrency_limit=None, show_progress="hidden", api_visibility="private")
-        turn = dict(fn=service.chat, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
+        # the charts come with the turn's final status, so "done" means everything is shown
+        turn = dict(fn=service.chat_page, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
                     concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn")
-        send.click(**turn).then(**charts, api_name="ui_charts_send")
-        msg.submit(**{**turn, "api_name": "ui_submit"}).then(**charts, api_name="ui_charts_submit")
+        send.click(**turn)
+        msg.submit(**{**turn, "api_name": "ui_submit"})
         # The stop button must not wait behind the running turn: its own group, no limit.
         stop.click(service.stop, None, None, concurrency_id="stop", concurrency_limit=None,
                    show_progress="hidden", api_visibility="private", api_name="ui_stop")

@@ -52,3 +52,12 @@ def time_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -> p
 def segment_order(frame: pd.DataFrame) -> list[str]:
     """The x categories in chat order (for BarPlot's `sort`)."""
     return list(dict.fromkeys(frame["segment"]))
+
+
+def timing_summary(episodes: list[Episode]) -> str:
+    """The last turn in one line: segments, tokens prefilled new vs reused, time."""
+    if not episodes:
+        return "Timing: no turns yet"
+    last = episodes[-1]
+    return (f"Turn {len(episodes)}: {len(last.segments)} segments, {last.prefill_tokens} tokens prefilled new, "
+            f"{last.reused_tokens} reused from cache, {last.ms / 1000:.2f} s")

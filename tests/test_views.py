@@ -16,7 +16,7 @@ from app.rewards import builtin_questions, exact_match
 from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summary, format_items, parse_batch,
                               rewards)
 from components.compare import compare_markdown
-from components.timing import prefill_frame, segment_order, time_frame
+from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from tests.conftest import plan_text
 from tests.test_components import calculator_episode, make_service, request, turn
 
@@ -67,6 +67,8 @@ def test_timing_frames_equal_the_segment_stats():
     assert list(times["ms"]) == [round(s.ms, 1) for _, s in segments]
     assert prefill_frame([]).empty and time_frame([]).empty
     assert list(prefill_frame([first, second], last=1)["segment"].unique()) == ["T2.1 model"]
+    assert timing_summary([first, second]) == ("Turn 2: 1 segments, 12 tokens prefilled new, 743 reused from "
+                                               "cache, 0.00 s")
     plot = gr.BarPlot(x="segment", y="tokens", color="part").postprocess(frame)
     assert plot.datatypes["segment"] == "nominal" and plot.datatypes["tokens"] == "quantitative"
 
@@ -234,11 +236,15 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
 
 def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     service, _ = make_service(tiny_llama, answers_plan(tokenizer, 1, CALC))
-    tokens_plot, ms_plot = service.timing(request())
+    tokens_plot, ms_plot, summary = service.timing(request())
     assert tokens_plot.value is None or tokens_plot.value["data"] == []
-    turn(service, "What is 41 * 23?")
-    tokens_plot, ms_plot = service.timing(request())
+    assert summary == "Timing: no turns yet"
+    outputs = list(service.chat_page("What is 41 * 23?", *SETTINGS, TOOLS, default_prompt_template(), request()))
+    assert all(o[5:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
+    assert outputs[-1][2] == "done"
+    tokens_plot, ms_plot, summary = outputs[-1][5:]
     episode = service.store.peek("page-1").session.episodes[-1]
+    assert summary == timing_summary([episode])
     frame = prefill_frame([episode])
     assert tokens_plot.sort == segment_order(frame) == ["T1.1 model", "T1.2 tool", "T1.3 model"]
     assert tokens_plot.value["data"] == frame.values.tolist()

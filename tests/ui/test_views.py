@@ -1,0 +1,101 @@
+"""Compare, timing chart, Batch tab and custom system prompt in real Chromium with the real model. Small
+max_new_tokens keep each check to seconds on a 2-core CPU; every wait is on an element the app owns."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from tests.ui.conftest import OUT, TURN_MS
+from tests.ui.test_app import FINAL, bot_messages, send, set_number, user_messages
+
+pytestmark = pytest.mark.ui
+
+
+def click_and_wait(page: Page, button: str, status_id: str = "status") -> str:
+    """Click a button; wait until the status has left its previous text, then for its final one."""
+    status = page.locator(f"#{status_id}")
+    previous = status.inner_text()
+    page.locator(f"#{button}").click()
+    expect(status).not_to_have_text(previous, timeout=TURN_MS)
+    expect(status).to_have_text(FINAL, timeout=TURN_MS)
+    return status.inner_text().strip()
+
+
+def test_compare_shows_both_columns_and_identical_tokens(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 24)
+    page.locator("#msg textarea").fill("What is 41 * 23?")
+    assert click_and_wait(page, "compare") == "done"
+    result = page.locator("#compare-result")
+    expect(result.locator("th")).to_have_text(["", "cache on", "cache off"])
+    expect(result).to_contain_text("identical tokens: yes")
+    expect(result).to_contain_text(re.compile(r"speed-up with the cache: [\d.]+×"))
+    for row in ("answer", "wall time", "tokens prefilled", "tokens reused"):
+        expect(result.locator("td", has_text=re.compile(f"^{row}$"))).to_have_count(1)
+    answers = result.locator("tr", has_text="answer").first.locator("td")
+    assert "943" in answers.nth(1).inner_text() and answers.nth(1).inner_text() == answers.nth(2).inner_text()
+    expect(user_messages(page)).to_have_count(0)  # the chat is unchanged
+    page.screenshot(path=str(OUT / "compare.png"), full_page=True)
+
+
+def test_timing_plot_after_a_turn(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 4)
+    set_number(page, "max-turns", 0)
+    send(page, "Hi")
+    send(page, "Hello again")
+    expect(page.locator("#timing-summary")).to_contain_text(
+        re.compile(r"Turn 2: \d+ segments, \d+ tokens prefilled new, \d+ reused from cache"))
+    for elem_id in ("timing", "timing-ms"):
+        plot = page.locator(f"#{elem_id}")
+        expect(plot).to_be_visible()
+        expect(plot.locator("canvas, svg").first).to_be_visible(timeout=30_000)
+    page.locator("#timing").screenshot(path=str(OUT / "timing.png"))
+
+
+def test_batch_tab_with_builtin_questions(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 24)
+    page.get_by_role("tab", name="Batch").click()
+    questions = page.locator("#batch-questions textarea")
+    page.locator("#batch-load").click()
+    expect(questions).to_have_value(re.compile(r"\| 943\n"))
+    questions.fill("\n".join(questions.input_value().splitlines()[:2]))
+    assert click_and_wait(page, "batch-run", "batch-status") == "done"
+    rows = page.locator("#batch-results div[role=row]")  # data rows (the header is a <tr>)
+    expect(rows).to_have_count(2)
+    expect(rows.first).to_contain_text("What is 41 * 23?")
+    expect(rows.first).to_contain_text("string match <submit>")
+    summary = page.locator("#batch-summary")
+    expect(summary).to_contain_text(re.compile(r"accuracy: \d+/2 = \d+%"))
+    expect(summary).to_contain_text(re.compile(r"total time, cache on: [\d.]+ s"))
+    expect(summary).to_contain_text(re.compile(r"total time, cache off: [\d.]+ s"))
+    expect(summary).to_contain_text("identical answers: yes")
+    page.screenshot(path=str(OUT / "batch.png"), full_page=True)
+    # bad input is a clear message; the server stays up
+    questions.fill("")
+    assert click_and_wait(page, "batch-run", "batch-status").startswith("error: no questions")
+
+
+def test_custom_system_prompt_is_used_and_a_change_starts_a_new_chat(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 3)
+    set_number(page, "max-turns", 0)
+    prompt = page.locator("#system-prompt textarea")
+    expect(prompt).to_have_value(re.compile(r"\{tools\}"))
+    prompt.fill("You are Custom Bot.\nTools:\n{tools}\n")
+    send(page, "Hi")
+    tokens = page.locator("#tokens")
+    expect(tokens).to_contain_text("You are Custom Bot.")
+    expect(tokens).to_contain_text("- Calculator:")
+    prompt.fill("You are Other Bot. {tools}")
+    send(page, "Hi again")
+    expect(bot_messages(page).first).to_contain_text("System prompt changed")
+    expect(user_messages(page)).to_have_text(["Hi again"])
+    expect(tokens).to_contain_text("You are Other Bot.")
+    prompt.fill(" ")
+    send(page, "kept", status=re.compile(r"^\s*error: the system prompt is empty"))
+    expect(page.locator("#msg textarea")).to_have_value("kept")
