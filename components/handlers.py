@@ -149,18 +149,19 @@ class ChatService:
         missing; a different tool set or prompt starts a new chat, with a note."""
         key = tuple(engine.tools)
         prompt = default_prompt_template() if prompt is None else prompt
-        if entry.session is not None and (entry.engine_key != key or entry.prompt != prompt):
-            if entry.session.episodes:
-                if entry.engine_key != key:
-                    listed = ", ".join(key) or "none"
-                    entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
-                else:
-                    entry.notes = ["System prompt changed: started a new chat."]
-            entry.session = None
-        if entry.session is None:
-            entry.session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
-            entry.engine_key, entry.prompt = key, prompt
-        return entry.session
+        old = entry.session
+        if old is not None and entry.engine_key == key and entry.prompt == prompt:
+            return old
+        # the new session first: a prompt the engine rejects (e.g. too long) leaves the chat as it was
+        session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
+        if old is not None and old.episodes:
+            if entry.engine_key != key:
+                listed = ", ".join(key) or "none"
+                entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
+            else:
+                entry.notes = ["System prompt changed: started a new chat."]
+        entry.session, entry.engine_key, entry.prompt = session, key, prompt
+        return session
 
     def matching_session(self, entry: Entry, engine: Engine, prompt: str) -> Session | None:
         """The entry's session if it was started with this tool set and prompt (else None)."""

@@ -232,6 +232,10 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
     chat, textbox, status, _, _ = turn(service, "keep me", prompt="   ")[-1]
     assert status.startswith("error: the system prompt is empty") and textbox == "keep me"
     assert len(entry.session.episodes) == 1
+    kept = entry.session
+    chat, _, status, _, _ = turn(service, "keep me", tools=["Calculator"], prompt="".join(chr(0x4E00 + i) for i in range(7000)))[-1]
+    assert status.startswith("error: the system prompt has") and entry.session is kept  # nothing lost
+    assert "System prompt changed" in chat[0]["content"] and len(chat) > 1
 
 
 def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
