@@ -327,6 +327,9 @@ class Engine:
         start, began = len(cache), time.perf_counter()
         stops, detok = self.stops.start(), Detokenizer(tokenizer)
         lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
+        # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
+        # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
+        draft_len = max(1, settings.draft_tokens // 2)
         stop: Stop | None = None
         prefill = reused = generated = 0
         yield SegmentStarted(row, "model")
@@ -340,12 +343,15 @@ class Engine:
                 with self.loaded.lock:
                     base = len(cache)
                     room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
-                    drafts = lookup.propose(min(settings.draft_tokens, room)) if lookup and generated else []
+                    drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
                     cache.extend(drafts)
                     logits, fed, hit = cache.forward(model, keep=len(drafts) + 1)
                     if generated == 0:
                         prefill, reused = fed, hit
                     tokens = self._choose(logits, drafts, settings, session.generator)
+                    if drafts:
+                        full = len(tokens) > len(drafts)
+                        draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
                     cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
                     cache.extend(tokens[-1:])
                     deltas = []
