@@ -67,3 +67,22 @@ def test_user_mistakes_are_one_line_errors(args, message):
 def test_tool_command(args, expected):
     out = cli(*args)
     assert out.returncode == 0 and out.stdout.startswith(expected)
+
+
+def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
+    from app.engine import render_prompt
+    from app.protocol import encode
+    from app.tools.registry import get_tools
+
+    template = ("Tools:\n{tools}\n\nQ: What is 6 * 7?\n<request><Calculator>6 * 7<call>42<response>\n"
+                "Result = 42<submit>\n\n")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(template, encoding="utf-8")
+    out = cli("ask", "What is 41 * 23?", "--json", "--prompt", str(prompt), "--tools", "calculator")
+    assert out.returncode == 0, out.stderr
+    (result,) = [json.loads(line) for line in out.stdout.splitlines()]
+    rendered = render_prompt(template, get_tools(["Calculator"]))
+    assert "Search" not in rendered
+    first = result["segments"][0]
+    assert first["cached_tokens"] == len(encode(tokenizer, rendered))  # exactly this prompt was prefilled
+    assert first["text"].startswith("<request><Calculator>")
