@@ -8,7 +8,6 @@ import logging
 import sys
 from pathlib import Path
 
-from app.decoding import Limit, StopReason
 from app.engine import Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question
 
 
@@ -42,19 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _tool(args) if args.command == "tool" else _ask(args)
-    except (InputError, ValueError, OSError) as error:
+    except (ValueError, OSError) as error:  # InputError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
 
 
 def _tool(args) -> int:
-    from app.tools.registry import default_tools, find_tool, run_tool
+    from app.tools.registry import default_tools, run_tool
 
-    tools = default_tools()
-    tool = find_tool(tools, args.name)
-    result = run_tool(tools, tool.name if tool else args.name, args.input)
-    print(result.text, file=sys.stdout if result.ok else sys.stderr)
-    return 0 if result.ok else 1
+    result = run_tool(default_tools(), args.name, args.input)
+    if not result.ok:
+        print(result.text if result.text.startswith("error:") else f"error: {result.text}", file=sys.stderr)
+        return 1
+    print(result.text)
+    return 0
 
 
 def _ask(args) -> int:
@@ -87,21 +87,10 @@ def _ask(args) -> int:
     return 0
 
 
-def stop_label(stop) -> str:
-    """A stop reason in the words a reader takes in at a glance."""
-    if stop.reason is StopReason.STRING_MATCH:
-        return f"string match {stop.string}"
-    if stop.reason is StopReason.EOS:
-        return "EOS"
-    if stop.reason is StopReason.MAX_LENGTH:
-        return "max_length (this segment's max_new_tokens)" if stop.limit is Limit.MAX_NEW_TOKENS else "max_length"
-    return "stopped by user"
-
-
 def _describe(segment) -> str:
     if segment.kind == "tool":
         return f"{segment.text}\n  [tool {segment.tool or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
-    return (f"\n  [{stop_label(segment.stop)} · {segment.prefill_tokens} new tokens prefilled, "
+    return (f"\n  [{segment.stop.label} · {segment.prefill_tokens} new tokens prefilled, "
             f"{segment.cached_tokens} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
 
 

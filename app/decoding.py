@@ -17,7 +17,8 @@ class StopReason(str, enum.Enum):
     STRING_MATCH = "string_match"
     EOS = "eos"
     MAX_LENGTH = "max_length"
-    CANCELLED = "cancelled"
+    CANCELLED = "cancelled"  # the user stopped it (or the stream was closed)
+    ERROR = "error"  # the model raised; the session was rolled back to its last consistent state
 
 
 class Limit(str, enum.Enum):
@@ -30,6 +31,17 @@ class Stop:
     reason: StopReason
     string: str | None = None
     limit: Limit | None = None
+
+    @property
+    def label(self) -> str:
+        """The stop reason in the words every view uses: `string match <call>`, `EOS`, `max_length (...)`."""
+        if self.reason is StopReason.STRING_MATCH:
+            return f"string match {self.string}"
+        if self.reason is StopReason.EOS:
+            return "EOS"
+        if self.reason is StopReason.MAX_LENGTH:
+            return "max_length (max_new_tokens)" if self.limit is Limit.MAX_NEW_TOKENS else "max_length (session max_length)"
+        return "stopped by user" if self.reason is StopReason.CANCELLED else "error"
 
 
 class Detokenizer:

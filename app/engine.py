@@ -54,6 +54,7 @@ class Settings:
             (0 <= self.temperature <= 5, "temperature must be between 0 and 5"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
+            (0 <= self.seed < 2**63, "seed must be between 0 and 2**63 - 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -220,6 +221,8 @@ class Session:
 
 def clean_question(question: str) -> str:
     """The question as the engine takes it, or a clear InputError."""
+    if not isinstance(question, str):
+        raise InputError("the message must be text")
     question = question.strip()
     if not question:
         raise InputError("the message is empty")
@@ -235,7 +238,8 @@ def default_prompt_template() -> str:
 def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
     """Fill `{tools}` in a prompt with one line per tool from the registry (a prompt without it is used as is)."""
     listing = "\n".join(f"- {t.name}: {t.description}" for t in tools.values())
-    return template.replace("{tools}", listing)
+    text = template.replace("{tools}", listing)
+    return text.rstrip("\n") + "\n\n" if text.strip() else text  # the first question starts on its own line
 
 
 class Engine:
@@ -327,6 +331,7 @@ class Engine:
         start, began = len(cache), time.perf_counter()
         stops, detok = self.stops.start(), Detokenizer(tokenizer)
         lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
+        fail = None
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
         # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
         draft_len = max(1, settings.draft_tokens // 2)
@@ -342,6 +347,7 @@ class Engine:
                     break
                 with self.loaded.lock:
                     base = len(cache)
+                    fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
                     room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
                     drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
                     cache.extend(drafts)
@@ -363,11 +369,17 @@ class Engine:
                         if stop is not None:
                             cache.truncate(base + i + 1)  # nothing after the stop is kept
                             break
+                    fail = None
                     if lookup:
                         lookup.sync()
                 for delta in deltas:
                     if delta:
                         yield TextDelta(row, delta)
+        except Exception:
+            if fail is not None:  # the model (or sampling) failed mid-step: undo that step, say so, re-raise
+                cache.truncate(base)
+                stop = fail
+            raise
         finally:
             if not settings.use_cache:
                 cache.drop_kv()
@@ -428,6 +440,8 @@ class Engine:
         """Several questions, each in its own new session from the shared prompt cache; events carry the row."""
         settings = settings or Settings()
         for row, question in enumerate(questions):
+            if cancel is not None and cancel.is_set():
+                return
             session = self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + row)
             yield from self.turn(session, question, settings, cancel, row)
 

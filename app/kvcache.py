@@ -40,9 +40,10 @@ class TokenCache:
     @property
     def nbytes(self) -> int:
         """Bytes of key/value tensors this session holds."""
-        if self._kv is None:
+        kv = self._kv  # read once: another thread may drop it meanwhile (stats panels)
+        if kv is None:
             return 0
-        return sum(t.nbytes for layer in self._kv.layers if layer.is_initialized for t in (layer.keys, layer.values))
+        return sum(t.nbytes for layer in kv.layers if layer.is_initialized for t in (layer.keys, layer.values))
 
     def extend(self, ids: list[int]) -> None:
         self._ids.extend(ids)
@@ -50,7 +51,7 @@ class TokenCache:
     def truncate(self, length: int) -> None:
         """Keep ids[:length] and crop the cache to match (used when a turn is rolled back)."""
         del self._ids[length:]
-        self._crop(min(self.cached, length))
+        self._crop(length)
 
     def drop_kv(self) -> None:
         """Free the keys/values but keep the ids; the next forward pass recomputes them."""
@@ -75,8 +76,12 @@ class TokenCache:
         new = self._ids[reused:]
         if self._kv is None:
             self._kv = DynamicCache(config=model.config)
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([new]), cache=self._kv, use_cache=True, logits_to_keep=keep)
+        try:
+            with torch.inference_mode():
+                out = model(input_ids=torch.tensor([new]), cache=self._kv, use_cache=True, logits_to_keep=keep)
+        except BaseException:
+            self.drop_kv()  # some layers may hold the new positions already: recompute rather than trust them
+            raise
         self._kv_ids.extend(new)
         if self._kv.get_seq_length() != len(self._kv_ids):
             raise CacheInvariantError(f"cache holds {self._kv.get_seq_length()} positions, expected {len(self._kv_ids)}")

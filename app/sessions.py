@@ -47,7 +47,8 @@ class Entry:
 
     @property
     def kv_bytes(self) -> int:
-        return self.session.cache.nbytes if self.session is not None else 0
+        session = self.session  # read once: a new chat may clear it meanwhile
+        return session.cache.nbytes if session is not None else 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import re
 
-from app.decoding import Limit, Stop, StopReason
+from app.decoding import Stop, StopReason
 from app.engine import Episode, Segment
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~$])")
@@ -32,18 +32,7 @@ def code(text: str) -> str:
 
 def stop_text(stop: Stop | None) -> str:
     """A stop reason in words: `string match <call>`, `EOS`, `max_length (max_new_tokens)`, `stopped by user`."""
-    if stop is None:
-        return "running"
-    if stop.reason is StopReason.STRING_MATCH:
-        return f"string match {stop.string}"
-    if stop.reason is StopReason.EOS:
-        return "EOS"
-    if stop.reason is StopReason.MAX_LENGTH:
-        limit = "max_new_tokens" if stop.limit is Limit.MAX_NEW_TOKENS else "session max_length"
-        return f"max_length ({limit})"
-    if stop.reason is StopReason.CANCELLED:
-        return "stopped by user"
-    return str(stop.reason.value)
+    return "running" if stop is None else stop.label
 
 
 def stop_markdown(stop: Stop | None) -> str:

@@ -15,7 +15,7 @@ import gradio as gr
 
 from app.compare import compare
 from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
-                        Settings, TextDelta, default_prompt_template)
+                        Settings, TextDelta, clean_question, default_prompt_template)
 from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.sessions import Entry, SessionStore
@@ -76,6 +76,8 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
 
 def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None]:
     """API settings: any Settings field plus `tools` (list of names); unknown keys are errors."""
+    if values is not None and not isinstance(values, dict):
+        raise InputError("settings must be a JSON object, e.g. {\"max_new_tokens\": 64}")
     values = dict(values or {})
     tools = values.pop("tools", None)
     unknown = sorted(set(values) - set(SETTING_KEYS))
@@ -184,7 +186,6 @@ class ChatService:
         """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield."""
         key = request.session_hash
         entry = self.store.get(key)
-        session = entry.session
         message = message or ""
 
         def view(status, textbox=None, partial=None, full=False):
@@ -200,6 +201,7 @@ class ChatService:
             settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
             engine = self.engine_for(list(tools or []))
             settings = settings.validated(engine.context_limit)
+            clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             entry.cancel.clear()
             partial: str | None = None
@@ -215,8 +217,6 @@ class ChatService:
                 elif isinstance(event, SegmentFinished):
                     partial = None
                     yield view("running", full=True)
-                elif isinstance(event, EpisodeFinished):
-                    pass
             self.store.enforce_budget()
             yield view("done", full=True)
         except InputError as error:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 import pytest
 
 from app.decoding import Limit, StopReason
@@ -182,3 +184,53 @@ def test_unusable_system_prompts_are_clear_errors(tiny_llama, prompt, message):
     engine = Engine(tiny_llama)
     with pytest.raises(InputError, match=message):
         engine.new_session(prompt=prompt)
+
+
+class Exploding(torch.nn.Module):
+    """Runs the real model, but raises on the chosen forward pass (after the cache layers were updated)."""
+
+    def __init__(self, base, fail_at: int):
+        super().__init__()
+        self.base, self.config, self.fail_at, self.calls = base, base.config, fail_at, 0
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def forward(self, **kwargs):
+        out = self.base(**kwargs)
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("out of memory (simulated)")
+        return out
+
+
+def test_a_model_error_mid_segment_is_recorded_and_the_session_goes_on(tiny_llama):
+    import dataclasses
+
+    model = Exploding(tiny_llama.model, fail_at=10**9)
+    engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
+    session = engine.new_session()
+    before = len(session.cache)
+    model.fail_at = model.calls + 4  # the 4th step of the next turn fails, after its layers took the new positions
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.ask(session, "hello", Settings(max_new_tokens=10, draft_tokens=4))
+    (episode,) = session.episodes
+    segment = episode.segments[-1]
+    assert segment.stop.reason is StopReason.ERROR and segment.stop.label == "error"
+    assert segment.end == len(session.cache) == before + (episode.query_end - episode.query_start) + 3
+    session.cache.check()  # the cache was dropped, not left half-updated
+    nxt = engine.ask(session, "again", Settings(max_new_tokens=3))  # recomputes the dropped cache, then goes on
+    assert nxt.segments[0].generated_tokens == 3 and nxt.segments[0].prefill_tokens == nxt.segments[0].start
+
+
+def test_settings_reject_a_seed_torch_cannot_take(tiny_llama):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    with pytest.raises(InputError, match="seed"):
+        engine.ask(engine.new_session(), "hi", Settings(seed=2**64))
+
+
+def test_a_message_that_is_not_text_is_a_clear_error(tiny_llama):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    with pytest.raises(InputError, match="text"):
+        engine.ask(engine.new_session(), None)
