@@ -19,7 +19,7 @@ from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFin
 from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.sessions import Entry, SessionStore
-from app.tools.registry import default_tools
+from app.tools.registry import default_tools, get_tools
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
 from components.chat import chat_messages
@@ -123,12 +123,11 @@ class ChatService:
     def engine_for(self, tools: Sequence[str] | None) -> Engine:
         """The engine for a tool subset (None: every tool); engines share the model and are built once."""
         available = default_tools()
-        if tools is None:
-            tools = list(available)
-        unknown = [t for t in tools if t not in available]
-        if unknown:
-            raise InputError(f"unknown tool(s) {', '.join(unknown)} (available: {', '.join(available)})")
-        key = tuple(name for name in available if name in tools)
+        try:
+            chosen = get_tools(tools)  # case-insensitive, like the CLI's --tools
+        except ValueError as error:
+            raise InputError(str(error)) from None
+        key = tuple(name for name in available if name in chosen)  # registry order: one engine per subset
         loaded = self.loaded
         with self._lock:
             engine = self._engines.get(key)

@@ -291,6 +291,11 @@ def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
         service.api_ask("", None)
     with pytest.raises(gr.Error, match="unknown tool"):
         service.api_ask("x", {"tools": ["Shell"]})
+    with pytest.raises(gr.Error, match="settings must be a JSON object"):
+        service.api_ask("x", [1, 2])
+    with pytest.raises(gr.Error, match="must be text"):
+        service.api_ask(None, None)
+    assert service.engine_for(["calculator"]) is service.engine_for(["Calculator"])  # names as the CLI takes them
 
 
 def test_api_chat_streams_growing_text(tiny_llama, calculator_plan):
