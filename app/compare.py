@@ -30,7 +30,7 @@ def compare(engine: Engine, session: Session, question: str, settings: Settings)
     """Each run works on its own fork of the session, so the session itself is left as it was."""
     runs = []
     for use_cache in (True, False):
-        fork = session.fork()
+        fork = session.fork(kv=use_cache)  # the uncached run would drop a copied cache at once
         began = time.perf_counter()
         episode = engine.ask(fork, question, dataclasses.replace(settings, use_cache=use_cache))
         runs.append((episode, time.perf_counter() - began))

@@ -115,9 +115,13 @@ class Episode:
         return [s for s in self.segments if s.kind == "model"]
 
     @property
+    def last_model_segment(self) -> Segment | None:
+        return next((s for s in reversed(self.segments) if s.kind == "model"), None)
+
+    @property
     def answer(self) -> str:
         """The last model segment's text, cut at the stop string that ended it."""
-        last = next((s for s in reversed(self.segments) if s.kind == "model"), None)
+        last = self.last_model_segment
         if last is None:
             return ""
         text = last.text
@@ -127,7 +131,7 @@ class Episode:
 
     @property
     def stop(self) -> Stop | None:
-        last = next((s for s in reversed(self.segments) if s.kind == "model"), None)
+        last = self.last_model_segment
         return last.stop if last else None
 
     @property
@@ -202,10 +206,11 @@ class Session:
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
 
-    def fork(self) -> "Session":
-        """An independent copy (tokens, cache, history so far), e.g. to run one question two ways side by side."""
+    def fork(self, kv: bool = True) -> "Session":
+        """An independent copy (tokens, history so far, and the cache unless kv=False), e.g. to run one question
+        two ways side by side."""
         with self.lock:
-            other = Session(self.cache.fork(), self.prompt_tokens)
+            other = Session(self.cache.fork() if kv else TokenCache(self.cache.ids), self.prompt_tokens)
             other.episodes = list(self.episodes)
             other.generator.set_state(self.generator.get_state())
             return other

@@ -99,6 +99,16 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None]
     return settings, tools
 
 
+def failure_status(error: Exception, what: str, key: str) -> str:
+    """The status line for a handler that failed: a user mistake as is, anything else logged with its traceback."""
+    if isinstance(error, InputError):
+        gr.Warning(str(error))
+        return f"error: {error}"
+    log.exception("%s failed for session %s", what, key)
+    gr.Warning(f"internal error: {error}")
+    return f"error: internal error ({type(error).__name__}: {error})"
+
+
 class ChatService:
     """The process's shared pieces: model (loaded lazily, once), engines by tool set, the session store."""
 
@@ -218,13 +228,8 @@ class ChatService:
                     yield view("running", full=True)
             self.store.enforce_budget()
             yield view("done", full=True)
-        except InputError as error:
-            gr.Warning(str(error))
-            yield view(f"error: {error}", textbox=message, full=True)
-        except Exception as error:  # handler boundary: log it, show it, keep the session and the server
-            log.exception("turn failed for session %s", key)
-            gr.Warning(f"internal error: {error}")
-            yield view(f"error: internal error ({type(error).__name__}: {error})", textbox=message, full=True)
+        except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
+            yield view(failure_status(error, "turn", key), textbox=message, full=True)
 
     def timing(self, request: gr.Request) -> tuple:
         """The timing view of this visitor's chat: charts of prefill tokens (new vs reused) and ms per segment,
@@ -267,13 +272,8 @@ class ChatService:
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
             result = compare(engine, session, question, settings)
             yield compare_markdown(result), "done"
-        except InputError as error:
-            gr.Warning(str(error))
-            yield gr.skip(), f"error: {error}"
         except Exception as error:  # handler boundary
-            log.exception("compare failed for session %s", request.session_hash)
-            gr.Warning(f"internal error: {error}")
-            yield gr.skip(), f"error: internal error ({type(error).__name__}: {error})"
+            yield gr.skip(), failure_status(error, "compare", request.session_hash)
 
     @staticmethod
     def builtin_batch() -> str:
@@ -312,13 +312,8 @@ class ChatService:
                 episode.reward = score
             status = "done" if not entry.cancel.is_set() else "done (stopped by user)"
             yield batch_frame(on.episodes, items), batch_summary(items, on, off), status
-        except InputError as error:
-            gr.Warning(str(error))
-            yield gr.skip(), gr.skip(), f"error: {error}"
         except Exception as error:  # handler boundary
-            log.exception("batch failed for session %s", request.session_hash)
-            gr.Warning(f"internal error: {error}")
-            yield gr.skip(), gr.skip(), f"error: internal error ({type(error).__name__}: {error})"
+            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
 
     def stop(self, request: gr.Request) -> None:
         self.store.cancel(request.session_hash)
@@ -332,7 +327,7 @@ class ChatService:
         entry = self.store.get(request.session_hash)
         session = entry.session
         chat = chat_messages(session.episodes if session else [], entry.notes)
-        return chat, self.token_view(session) if session else [], self.stats(session)
+        return chat, self.token_view(session), self.stats(session)
 
     def unload(self, request: gr.Request) -> None:
         self.store.remove(request.session_hash)
