@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from app.attention import use_gqa_sdpa
 from app.config import cache_dir
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ def wrap(model, tokenizer, name: str) -> LoadedModel:
     """Put a model in inference mode and collect what the engine needs to know about it."""
     model.eval()
     model.requires_grad_(False)
+    use_gqa_sdpa(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
 
 
