@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,13 +27,15 @@ class Comparison:
         return self.uncached_s / self.cached_s if self.cached_s > 0 else float("inf")
 
 
-def compare(engine: Engine, session: Session, question: str, settings: Settings) -> Comparison:
-    """Each run works on its own fork of the session, so the session itself is left as it was."""
+def compare(engine: Engine, session: Session, question: str, settings: Settings,
+            cancel: threading.Event | None = None) -> Comparison:
+    """Each run works on its own fork of the session, so the session itself is left as it was. A set `cancel`
+    stops both runs between tokens (their segments say so)."""
     runs = []
     for use_cache in (True, False):
         fork = session.fork(kv=use_cache)  # the uncached run would drop a copied cache at once
         began = time.perf_counter()
-        episode = engine.ask(fork, question, dataclasses.replace(settings, use_cache=use_cache))
+        episode = engine.ask(fork, question, dataclasses.replace(settings, use_cache=use_cache), cancel)
         runs.append((episode, time.perf_counter() - began))
     (cached, cached_s), (uncached, uncached_s) = runs
     return Comparison(cached, uncached, cached_s, uncached_s)

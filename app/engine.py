@@ -27,6 +27,9 @@ from app.tools.registry import Tool, default_tools, run_tool
 MAX_QUESTION_CHARS = 4000
 
 
+MIN_TEMPERATURE = 0.01
+
+
 class InputError(ValueError):
     """A user mistake (empty message, full context, bad setting): shown as a message, never a traceback."""
 
@@ -51,7 +54,9 @@ class Settings:
             (1 <= self.max_length <= context_limit, f"max_length must be between 1 and {context_limit}"),
             (0 <= self.max_turns <= 32, "max_turns must be between 0 and 32"),
             (1 <= self.max_tool_response <= 20000, "max_tool_response must be between 1 and 20000"),
-            (0 <= self.temperature <= 5, "temperature must be between 0 and 5"),
+            # a tiny positive temperature overflows logits / temperature (inf, then NaN probabilities)
+            (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 5,
+             f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 5"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
             (0 <= self.seed < 2**63, "seed must be between 0 and 2**63 - 1"),
@@ -436,9 +441,10 @@ class Engine:
         yield SegmentFinished(row, segment)
 
     # ---- convenience ----------------------------------------------------------------------------------------
-    def ask(self, session: Session, question: str, settings: Settings | None = None) -> Episode:
-        """Run one turn to the end and return its episode."""
-        return _last_episode(self.turn(session, question, settings))
+    def ask(self, session: Session, question: str, settings: Settings | None = None,
+            cancel: threading.Event | None = None) -> Episode:
+        """Run one turn to the end (or to `cancel`) and return its episode."""
+        return _last_episode(self.turn(session, question, settings, cancel))
 
     def stream_batch(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
                      cancel: threading.Event | None = None) -> Iterator[Event]:

@@ -44,6 +44,17 @@ class Entry:
     cancel: threading.Event = field(default_factory=threading.Event)
     notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
     last_used: float = field(default_factory=time.monotonic)
+    stops: int = 0  # Stop presses so far
+    armed: int | None = None  # `stops` when the page submitted the turn that has not started yet
+
+    def begin_turn(self) -> None:
+        """A turn starts: already cancelled if Stop was pressed since the page submitted it (it may have waited
+        in the queue behind other visitors), otherwise clear of any earlier Stop or new chat."""
+        armed, self.armed = self.armed, None
+        if armed is not None and self.stops > armed:
+            self.cancel.set()
+        else:
+            self.cancel.clear()
 
     @property
     def kv_bytes(self) -> int:
@@ -96,12 +107,19 @@ class SessionStore:
             return len(self._entries)
 
     def cancel(self, key: str) -> bool:
-        """Ask the key's running turn to stop between tokens; False when there is no such session."""
+        """Ask the key's running (or submitted) turn to stop between tokens; False when there is no such session."""
         entry = self.peek(key)
         if entry is None:
             return False
+        entry.stops += 1
         entry.cancel.set()
         return True
+
+    def arm(self, key: str) -> None:
+        """The page just submitted a turn for this key: a Stop pressed from now on cancels it, even while it waits
+        in the queue (see Entry.begin_turn)."""
+        entry = self.get(key)
+        entry.armed = entry.stops
 
     def reset(self, key: str) -> Entry:
         """A new chat: the session's history and cache go, the entry (and its cancel Event) stay."""

@@ -212,7 +212,7 @@ class ChatService:
             settings = settings.validated(engine.context_limit)
             clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
-            entry.cancel.clear()
+            entry.begin_turn()
             partial: str | None = None
             for event in engine.turn(session, message, settings, cancel=entry.cancel):
                 if entry.session is not session:  # new chat (or page closed) while this turn ran
@@ -270,7 +270,8 @@ class ChatService:
             session = self.matching_session(entry, engine, prompt)
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
-            result = compare(engine, session, question, settings)
+            entry.begin_turn()
+            result = compare(engine, session, question, settings, cancel=entry.cancel)
             yield compare_markdown(result), "done"
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
@@ -291,7 +292,7 @@ class ChatService:
             settings = settings.validated(engine.context_limit)
             prompt = clean_prompt(prompt)
             questions = [item.question for item in items]
-            entry.cancel.clear()
+            entry.begin_turn()
             runs: list[BatchRun] = []
             for cached in (True, False):
                 mode = "on" if cached else "off"
@@ -317,6 +318,10 @@ class ChatService:
 
     def stop(self, request: gr.Request) -> None:
         self.store.cancel(request.session_hash)
+
+    def arm(self, request: gr.Request) -> None:
+        """Runs, unqueued, when the page submits a turn, compare or batch: from now on Stop cancels it."""
+        self.store.arm(request.session_hash)
 
     def new_chat(self, request: gr.Request) -> tuple:
         entry = self.store.reset(request.session_hash)
@@ -351,9 +356,10 @@ class ChatService:
         """Continue this API client's chat (one per client session); yields the growing text of the turn."""
         try:
             engine, values = self._api_settings(settings)
+            message = clean_question(message)  # before prepare: a rejected message must not start a new chat
             entry = self.store.get(request.session_hash)
             session = self.prepare(entry, engine, values)
-            entry.cancel.clear()
+            entry.begin_turn()
             text = ""
             for event in engine.turn(session, message, values, cancel=entry.cancel):
                 if isinstance(event, TextDelta):

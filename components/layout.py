@@ -69,6 +69,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                         with gr.Row():
                             batch_load = gr.Button("Load the built-in set", elem_id="batch-load")
                             batch_run = gr.Button("Run batch", elem_id="batch-run", variant="primary")
+                            batch_stop = gr.Button("Stop", elem_id="batch-stop", variant="stop")
                         batch_status = gr.Markdown("ready", elem_id="batch-status")
                         batch_summary = gr.Markdown("", elem_id="batch-summary")
                         batch_results = gr.Dataframe(empty_frame(), elem_id="batch-results", label="Per query",
@@ -104,22 +105,26 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # the charts come with the turn's final status, so "done" means everything is shown
         turn = dict(fn=service.chat_page, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
                     concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn")
-        send.click(**turn)
-        msg.submit(**{**turn, "api_name": "ui_submit"})
-        # The stop button must not wait behind the running turn: its own group, no limit.
-        stop.click(service.stop, None, None, concurrency_id="stop", concurrency_limit=None,
-                   show_progress="hidden", api_visibility="private", api_name="ui_stop")
+        # Stop and arm must not wait behind a running turn: their own group, no limit. Arming when a turn is
+        # submitted lets a Stop cancel it while it still waits in the queue behind other visitors' turns.
+        quick = dict(concurrency_id="stop", concurrency_limit=None, show_progress="hidden", api_visibility="private")
+        send.click(service.arm, **quick, api_name="ui_arm_send").then(**turn)
+        msg.submit(service.arm, **quick, api_name="ui_arm_submit").then(**{**turn, "api_name": "ui_submit"})
+        stop.click(service.stop, **quick, api_name="ui_stop")
+        batch_stop.click(service.stop, **quick, api_name="ui_batch_stop")
         new_chat.click(service.new_chat, None, [chat, msg, status, tokens, stats], concurrency_id="new-chat",
                        concurrency_limit=None, show_progress="hidden", api_visibility="private",
                        api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
-        compare.click(service.compare, turn_inputs, [compare_result, status], concurrency_id=MODEL,
-                      concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_compare")
+        compare.click(service.arm, **quick, api_name="ui_arm_compare").then(
+            service.compare, turn_inputs, [compare_result, status], concurrency_id=MODEL, concurrency_limit=1,
+            show_progress="hidden", api_visibility="private", api_name="ui_compare")
         batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
-        batch_run.click(service.batch, [batch_questions, *settings_inputs], [batch_results, batch_summary, batch_status],
-                        concurrency_id=MODEL, concurrency_limit=1, show_progress="hidden", api_visibility="private",
-                        api_name="ui_batch")
+        batch_run.click(service.arm, **quick, api_name="ui_arm_batch").then(
+            service.batch, [batch_questions, *settings_inputs], [batch_results, batch_summary, batch_status],
+            concurrency_id=MODEL, concurrency_limit=1, show_progress="hidden", api_visibility="private",
+            api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,
                   show_progress="hidden", api_visibility="private",
                   api_name="ui_load").then(**charts, api_name="ui_charts_load")

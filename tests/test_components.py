@@ -304,3 +304,40 @@ def test_api_chat_streams_growing_text(tiny_llama, calculator_plan):
     assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:]))
     assert chunks[-1] == "<request><Calculator>41*23<call>943<response>Result = 943<submit>"
     assert len(service.store.peek("client").session.episodes) == 1
+
+
+def test_api_chat_rejects_an_empty_message_before_switching_tools(tiny_llama, calculator_plan):
+    """Regression: an empty /chat message with another tool list started a new chat, then failed: history lost."""
+    service, _ = make_service(tiny_llama, calculator_plan)
+    list(service.api_chat("What is 41 * 23?", None, request("client")))
+    session = service.store.peek("client").session
+    with pytest.raises(gr.Error, match="empty"):
+        list(service.api_chat("   ", {"tools": ["Calculator"]}, request("client")))
+    entry = service.store.peek("client")
+    assert entry.session is session and len(session.episodes) == 1 and entry.notes == []
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 0.001, float("nan"), float("inf"), -0.5])
+def test_temperatures_that_would_break_sampling_are_input_errors(tiny_llama, temperature):
+    """Regression: 1e-300 passed the range check, then logits / temperature overflowed into NaN probabilities."""
+    service, _ = make_service(tiny_llama)
+    with pytest.raises(gr.Error, match="temperature must be 0"):
+        service.api_ask("hi", {"temperature": temperature, "max_new_tokens": 4})
+
+
+def test_stop_pressed_while_a_submitted_turn_waits_cancels_it(tiny_llama):
+    """Regression: the turn cleared the Stop flag when it started, so a Stop pressed while it waited in the queue
+    (behind another visitor's turn) was ignored and the whole answer ran."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    service.stop(request())  # an old Stop (or a new chat) before the submit does not count
+    service.arm(request())  # the page submits
+    chat, _, status, _, _ = turn(service, "go on", max_new_tokens=50)[-1]
+    assert status == "done" and "stop: stopped by user" not in chat[-1]["content"]
+    service.arm(request())
+    service.stop(request())  # pressed while the turn is still queued
+    chat, _, status, _, _ = turn(service, "and again", max_new_tokens=50)[-1]
+    segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
+    assert status == "done" and segment.stop.reason is StopReason.CANCELLED and segment.generated_tokens == 0
+    assert "stop: stopped by user" in chat[-1]["content"]
+    chat, _, status, _, _ = turn(service, "no arm: API and direct calls start clear", max_new_tokens=3)[-1]
+    assert "stopped by user" not in chat[-1]["content"]

@@ -253,3 +253,22 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     assert tokens_plot.sort == segment_order(frame) == ["T1.1 model", "T1.2 tool", "T1.3 model"]
     assert tokens_plot.value["data"] == frame.values.tolist()
     assert [row[2] for row in ms_plot.value["data"]] == [round(s.ms, 1) for s in episode.segments]
+
+
+def test_stop_during_compare_stops_both_runs(tiny_llama):
+    """Regression: compare ignored Stop and ran both long runs to the end while holding the model."""
+    service, loaded = make_service(tiny_llama, eos_ids=frozenset())
+    settings = list(SETTINGS)
+    settings[2] = 400  # max_new_tokens
+    forward = loaded.model.forward
+
+    def forward_then_stop(*args, **kwargs):  # Stop pressed a few tokens into the cached run
+        if loaded.model.step == 3:
+            service.stop(request())
+        return forward(*args, **kwargs)
+
+    loaded.model.forward = forward_then_stop
+    service.arm(request())
+    text, status = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request()))[-1]
+    assert status == "done" and text.count("stopped by user") == 2
+    assert loaded.model.step < 20

@@ -80,6 +80,20 @@ def test_batch_tab_with_builtin_questions(open_page):
     assert click_and_wait(page, "batch-run", "batch-status").startswith("error: no questions")
 
 
+def test_batch_stop_button_stops_the_run(open_page):
+    page = open_page()
+    set_number(page, "max-new-tokens", 24)
+    page.get_by_role("tab", name="Batch").click()
+    page.locator("#batch-load").click()
+    expect(page.locator("#batch-questions textarea")).to_have_value(re.compile(r"\| 943\n"))
+    page.locator("#batch-run").click()
+    status = page.locator("#batch-status")
+    expect(status).to_contain_text("running: cache on, 1/", timeout=TURN_MS)
+    page.locator("#batch-stop").click()
+    expect(status).to_have_text("done (stopped by user)", timeout=TURN_MS)
+    expect(page.locator("#batch-summary")).not_to_contain_text("cache off")  # the second pass never ran
+
+
 def test_custom_system_prompt_is_used_and_a_change_starts_a_new_chat(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 3)
