@@ -229,11 +229,21 @@ class Session:
         return [s for s in spans if s.end > s.start]
 
 
+def require_utf8(text: str, what: str) -> str:
+    """Text the tokenizer can take. Lone surrogates (bytes a terminal could not decode, or a JSON "\\ud800")
+    make it raise a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{what} is not valid UTF-8 text") from None
+    return text
+
+
 def clean_question(question: str) -> str:
     """The question as the engine takes it, or a clear InputError."""
     if not isinstance(question, str):
         raise InputError("the message must be text")
-    question = question.strip()
+    question = require_utf8(question, "the message").strip()
     if not question:
         raise InputError("the message is empty")
     if len(question) > MAX_QUESTION_CHARS:
@@ -281,6 +291,7 @@ class Engine:
         with self._prompt_lock:
             base = self._prompt_caches.get(prompt)
             if base is None:
+                require_utf8(prompt, "the system prompt")
                 with self.loaded.lock:
                     base = TokenCache(encode(self.loaded.tokenizer, prompt))
                 if not base.ids:
@@ -325,7 +336,9 @@ class Engine:
                 segment = yield from self._model_segment(session, episode, settings, cancel, row)
                 if segment.stop.string != CALL or calls >= settings.max_turns:
                     break
-                yield from self._tool_segment(session, episode, segment, settings, row)
+                if cancel is None or not cancel.is_set():  # Stop during the step that wrote <call>: no tool
+                    yield from self._tool_segment(session, episode, segment, settings, row)
+                # (when cancelled, the next model segment records the stop with zero tokens and the turn ends)
         finally:
             episode.ms = (time.perf_counter() - started) * 1000
             episode.total_tokens = len(cache)

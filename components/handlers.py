@@ -109,6 +109,15 @@ def failure_status(error: Exception, what: str, key: str) -> str:
     return f"error: internal error ({type(error).__name__}: {error})"
 
 
+def api_error(error: Exception, what: str) -> gr.Error:
+    """The error an API client sees: a user mistake as is, anything else logged and named (not Gradio's generic
+    "upstream app has raised an exception")."""
+    if isinstance(error, InputError):
+        return gr.Error(str(error))
+    log.exception("%s failed", what)
+    return gr.Error(f"internal error ({type(error).__name__}: {error})")
+
+
 class ChatService:
     """The process's shared pieces: model (loaded lazily, once), engines by tool set, the session store."""
 
@@ -349,8 +358,8 @@ class ChatService:
             engine, values = self._api_settings(settings)
             session = engine.new_session(use_cache=values.use_cache, seed=values.seed)
             return engine.ask(session, question, values).to_json()
-        except InputError as error:
-            raise gr.Error(str(error)) from None
+        except Exception as error:  # API boundary: the client gets the message, the log the traceback
+            raise api_error(error, "/ask") from None
 
     def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
         """Continue this API client's chat (one per client session); yields the growing text of the turn."""
@@ -369,5 +378,5 @@ class ChatService:
                     text += event.segment.text
                     yield text
             self.store.enforce_budget()
-        except InputError as error:
-            raise gr.Error(str(error)) from None
+        except Exception as error:  # API boundary: the client gets the message, the log the traceback
+            raise api_error(error, "/chat") from None

@@ -48,6 +48,7 @@ def test_ask_no_cache_and_tiny_budgets():
     (["ask", "hi", "--max-length", "5"], "context is full"),
     (["ask", "hi", "--max-new-tokens", "0"], "max_new_tokens must be"),
     (["ask", "   "], "message is empty"),
+    (["ask", "What is caf\udce9?"], "message is not valid UTF-8"),  # the byte 0xe9 alone, from a Latin-1 terminal
     (["ask", "hi", "--tools", "Teleport"], "unknown tool 'Teleport'"),
     (["ask", "hi", "--prompt", "/nonexistent/prompt.txt"], "No such file"),
     (["tool", "nosuch", "x"], "unknown tool nosuch"),

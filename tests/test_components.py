@@ -341,3 +341,15 @@ def test_stop_pressed_while_a_submitted_turn_waits_cancels_it(tiny_llama):
     assert "stop: stopped by user" in chat[-1]["content"]
     chat, _, status, _, _ = turn(service, "no arm: API and direct calls start clear", max_new_tokens=3)[-1]
     assert "stopped by user" not in chat[-1]["content"]
+
+
+def test_api_failures_that_are_not_user_mistakes_are_named(tiny_llama):
+    service, loaded = make_service(tiny_llama)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    loaded.model.forward = broken
+    for call in (lambda: service.api_ask("hi"), lambda: list(service.api_chat("hi", None, request("client")))):
+        with pytest.raises(gr.Error, match=r"internal error \(RuntimeError: out of memory\)"):
+            call()

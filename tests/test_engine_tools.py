@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from app.decoding import StopReason
@@ -102,3 +104,26 @@ def test_search_result_with_submit_and_eos_text_does_not_end_a_real_episode(real
     assert not set(session.cache.ids[tool.start:tool.end]) & real.eos_ids
     assert episode.segments[2].generated_tokens > 0
     assert episode.segments[2].stop.reason is not StopReason.CANCELLED
+
+
+def test_stop_while_the_call_is_written_runs_no_tool(tiny_llama, tokenizer):
+    """Regression: a Stop that arrived during the step producing <call> still ran the tool, inserted its output
+    and only then said "stopped by user"."""
+    call = "<request><Calculator>2+3<call>"
+    loaded = forced(tiny_llama, plan_text(tokenizer, (0, call)))
+    cancel, forward = threading.Event(), loaded.model.forward
+
+    def forward_then_stop(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if loaded.model.step == len(encode(tokenizer, call)):  # the pass whose token completes <call>
+            cancel.set()
+        return out
+
+    loaded.model.forward = forward_then_stop
+    engine = Engine(loaded, prompt=PROMPT)
+    session = prime(engine)
+    episode = engine.ask(session, "go", Settings(max_new_tokens=40), cancel)
+    assert [(s.kind, s.stop.label) for s in episode.segments] == [("model", "string match <call>"),
+                                                                  ("model", "stopped by user")]
+    assert episode.segments[1].generated_tokens == 0 and "5<response>" not in episode.answer
+    session.cache.check()

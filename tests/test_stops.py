@@ -139,10 +139,11 @@ def test_bad_settings_are_clear_errors(tiny_llama, bad):
         engine.ask(engine.new_session(), "hi", Settings(**bad))
 
 
-@pytest.mark.parametrize("question", ["", "   ", "x" * 5000])
+@pytest.mark.parametrize("question", ["", "   ", "x" * 5000, "caf\udce9?", "\ud800"])
 def test_bad_questions_are_clear_errors(tiny_llama, question):
+    """Lone surrogates (undecodable terminal bytes, a JSON "\\ud800") used to reach the tokenizer: TypeError."""
     engine = Engine(tiny_llama, prompt=PROMPT)
-    with pytest.raises(InputError, match="empty|too long"):
+    with pytest.raises(InputError, match="empty|too long|not valid UTF-8"):
         engine.ask(engine.new_session(), question)
 
 
@@ -179,7 +180,8 @@ def test_closing_the_stream_records_the_partial_segment(tiny_llama):
     session.cache.check()
 
 
-@pytest.mark.parametrize("prompt, message", [("", "system prompt is empty"), ("word " * 5000, "model reads at most")])
+@pytest.mark.parametrize("prompt, message", [("", "system prompt is empty"), ("word " * 5000, "model reads at most"),
+                                             ("Hi \ud800 {tools}", "system prompt is not valid UTF-8")])
 def test_unusable_system_prompts_are_clear_errors(tiny_llama, prompt, message):
     engine = Engine(tiny_llama)
     with pytest.raises(InputError, match=message):
