@@ -15,6 +15,7 @@ from components.layout import build_demo, launch_kwargs
 def main() -> None:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     service = ChatService()
+    service.store.start_sweeper()  # idle sessions go even when no visitor comes
     if os.environ.get("WARM_UP", "1") != "0":
         service.warm_up()  # load the model and prefill the system prompt before the first visitor
     demo = build_demo(service)

@@ -278,6 +278,12 @@ class Engine:
         cfg = loaded.model.config.get_text_config()
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
+    @property
+    def shared_kv_bytes(self) -> int:
+        """KV bytes of the shared prefilled prompts (held once per process, outside every session)."""
+        with self._prompt_lock:
+            return sum(cache.nbytes for cache in self._prompt_caches.values())
+
     # ---- sessions -------------------------------------------------------------------------------------------
     def new_session(self, prompt: str | None = None, use_cache: bool = True, seed: int = 0) -> Session:
         """A session starting from the (rendered) prompt, forked from its shared prefilled cache."""

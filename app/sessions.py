@@ -4,7 +4,8 @@ No Gradio imports: the page hands in a key string. Each entry holds an engine Se
 KV cache), the key of the engine that owns it (its tool set), its prompt template, a cancel Event for the stop button, and notes
 to show above the chat. Memory is bounded by a byte budget over the KV caches: when the total goes over,
 the least recently used sessions lose their KV (`cache.drop_kv()`, ids and history are kept; their next turn
-recomputes). Idle sessions are deleted after a timeout, and a session is freed when its page unloads.
+recomputes); KV held outside the sessions (the shared prefilled prompts) counts too. Idle sessions are deleted
+after a timeout (by a sweeper thread and on every access), and a session is freed when its page unloads.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class Entry:
 @dataclass(frozen=True)
 class StoreStats:
     sessions: int
-    kv_bytes: int
+    kv_bytes: int  # the sessions' caches
     budget_bytes: int
+    shared_bytes: int = 0  # held outside the sessions (the shared prefilled prompts), counted in the budget
 
 
 class SessionStore:
@@ -149,8 +151,21 @@ class SessionStore:
             log.info("deleted %d idle session(s)", len(expired))
         return expired
 
-    def enforce_budget(self) -> list[str]:
-        """Drop the KV of least recently used sessions until the total fits the budget; return their keys.
+    def start_sweeper(self, every_s: float = 60.0) -> threading.Event:
+        """Sweep idle sessions every `every_s` seconds in a daemon thread, so their memory is freed even when no
+        visitor comes; set the returned Event to stop it."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every_s):
+                self.sweep()
+
+        threading.Thread(target=loop, name="session-sweeper", daemon=True).start()
+        return stop
+
+    def enforce_budget(self, shared_bytes: int = 0) -> list[str]:
+        """Drop the KV of least recently used sessions until they fit the budget beside `shared_bytes` (KV held
+        outside the sessions); return their keys.
 
         Ids and history stay, so those sessions continue (recomputing their cache on the next turn). A session
         whose turn is running (its lock is held) is skipped: its cache is in use.
@@ -158,7 +173,7 @@ class SessionStore:
         dropped: list[str] = []
         with self._lock:
             entries = list(self._entries.items())  # oldest first
-        total = sum(e.kv_bytes for _, e in entries)
+        total = shared_bytes + sum(e.kv_bytes for _, e in entries)
         for key, entry in entries:
             if total <= self.budget_bytes:
                 break
@@ -178,8 +193,8 @@ class SessionStore:
             log.info("KV budget: dropped the cache of %d session(s)", len(dropped))
         return dropped
 
-    def stats(self) -> StoreStats:
+    def stats(self, shared_bytes: int = 0) -> StoreStats:
         with self._lock:
             entries = list(self._entries.values())
         return StoreStats(sessions=len(entries), kv_bytes=sum(e.kv_bytes for e in entries),
-                          budget_bytes=self.budget_bytes)
+                          budget_bytes=self.budget_bytes, shared_bytes=shared_bytes)

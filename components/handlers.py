@@ -196,7 +196,13 @@ class ChatService:
         return token_spans(session.cache.ids, session.spans(), self.decode)
 
     def stats(self, session: Session | None) -> str:
-        return stats_markdown(session, self.store.stats())
+        return stats_markdown(session, self.store.stats(self.shared_kv_bytes()))
+
+    def shared_kv_bytes(self) -> int:
+        """KV of every engine's shared prefilled prompts: counted in the sessions' budget."""
+        with self._lock:
+            engines = list(self._engines.values())
+        return sum(engine.shared_kv_bytes for engine in engines)
 
     # ---- page events ----------------------------------------------------------------------------------------
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
@@ -235,7 +241,7 @@ class ChatService:
                 elif isinstance(event, SegmentFinished):
                     partial = None
                     yield view("running", full=True)
-            self.store.enforce_budget()
+            self.store.enforce_budget(self.shared_kv_bytes())
             yield view("done", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             yield view(failure_status(error, "turn", key), textbox=message, full=True)
@@ -377,6 +383,6 @@ class ChatService:
                 elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
                     text += event.segment.text
                     yield text
-            self.store.enforce_budget()
+            self.store.enforce_budget(self.shared_kv_bytes())
         except Exception as error:  # API boundary: the client gets the message, the log the traceback
             raise api_error(error, "/chat") from None

@@ -14,5 +14,6 @@ def stats_markdown(session: Session | None, store: StoreStats) -> str:
         mine = (f"This chat: {len(cache)} tokens, {cache.cached} cached "
                 f"({cache.nbytes / MB:.1f} MB of KV), {len(session.episodes)} turns")
     server = (f"Server: {store.sessions} session{'s' if store.sessions != 1 else ''}, "
-              f"{store.kv_bytes / MB:.1f} MB of KV (budget {store.budget_bytes / MB:.0f} MB)")
+              f"{store.kv_bytes / MB:.1f} MB of KV + {store.shared_bytes / MB:.1f} MB of shared prompts "
+              f"(budget {store.budget_bytes / MB:.0f} MB)")
     return f"{mine}  \n{server}"

@@ -121,9 +121,19 @@ def test_token_spans_decode_each_span_once():
 
 
 def test_stats_markdown():
-    store = StoreStats(sessions=2, kv_bytes=3 * MB, budget_bytes=512 * MB)
+    store = StoreStats(sessions=2, kv_bytes=3 * MB, budget_bytes=512 * MB, shared_bytes=MB // 2)
     assert "no tokens yet" in stats_markdown(None, store)
-    assert "Server: 2 sessions, 3.0 MB of KV (budget 512 MB)" in stats_markdown(None, store)
+    assert "Server: 2 sessions, 3.0 MB of KV + 0.5 MB of shared prompts (budget 512 MB)" in stats_markdown(None, store)
+
+
+def test_shared_prompt_caches_show_in_stats_and_count_in_the_budget(tiny_llama):
+    service, _ = make_service(tiny_llama)  # warm_up prefilled the default prompt for every tool
+    shared = service.shared_kv_bytes()
+    assert shared == service.engine_for(None).shared_kv_bytes > 0
+    assert f"+ {shared / MB:.1f} MB of shared prompts" in service.stats(None)
+    service.store.budget_bytes = shared  # the shared prompts alone fill the budget
+    turn(service, "hi", max_new_tokens=2, max_turns=0)
+    assert service.store.peek("page-1").session.cache.nbytes == 0  # so the session's KV went
 
 
 # ---- settings ---------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import time
+
 import pytest
 
 from app.engine import Engine, Settings
@@ -68,6 +70,27 @@ def test_budget_drops_several_and_skips_a_running_session():
         s["a"].lock.release()
     assert s["a"].cache.nbytes == 100
     assert store.stats() .kv_bytes == 100
+
+
+def test_shared_prompt_bytes_count_in_the_budget():
+    store = SessionStore(budget_bytes=250, idle_timeout_s=3600)
+    s = filled(store, {"a": 100, "b": 100})
+    assert store.enforce_budget() == []
+    assert store.enforce_budget(shared_bytes=100) == ["a"]  # 100 shared + 200 sessions > 250
+    assert s["b"].cache.nbytes == 100 and store.stats(shared_bytes=100).shared_bytes == 100
+
+
+def test_the_sweeper_deletes_idle_sessions_without_any_visitor():
+    store = SessionStore(budget_bytes=MB, idle_timeout_s=0.05)
+    cancel = store.get("idle").cancel
+    stop = store.start_sweeper(every_s=0.02)
+    try:
+        deadline = time.monotonic() + 5
+        while "idle" in store and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+    assert "idle" not in store and cancel.is_set()
 
 
 def test_idle_sessions_are_deleted_and_cancelled():
