@@ -74,15 +74,16 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
     )
 
 
-def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None]:
-    """API settings: any Settings field plus `tools` (list of names); unknown keys are errors."""
+def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None, str | None]:
+    """API settings: any Settings field plus `tools` (list of names) and `prompt` (a system prompt template);
+    unknown keys are errors."""
     if values is not None and not isinstance(values, dict):
         raise InputError("settings must be a JSON object, e.g. {\"max_new_tokens\": 64}")
     values = dict(values or {})
-    tools = values.pop("tools", None)
+    tools, prompt = values.pop("tools", None), values.pop("prompt", None)
     unknown = sorted(set(values) - set(SETTING_KEYS))
     if unknown:
-        raise InputError(f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(SETTING_KEYS)}, tools)")
+        raise InputError(f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(SETTING_KEYS)}, tools, prompt)")
     try:
         settings = dataclasses.replace(DEFAULTS, **values)
     except TypeError as error:
@@ -96,7 +97,9 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None]
             raise InputError(f"setting {name} must be {expected.__name__}, got {value!r}")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
         raise InputError("setting tools must be a list of tool names")
-    return settings, tools
+    if prompt is not None and not isinstance(prompt, str):
+        raise InputError("setting prompt must be text (a system prompt; `{tools}` is replaced by the tool list)")
+    return settings, tools, None if prompt is None else clean_prompt(prompt)
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:
@@ -353,16 +356,16 @@ class ChatService:
         self.store.remove(request.session_hash)
 
     # ---- API ------------------------------------------------------------------------------------------------
-    def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings]:
-        values, tools = settings_from_dict(settings)
+    def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings, str | None]:
+        values, tools, prompt = settings_from_dict(settings)
         engine = self.engine_for(tools)
-        return engine, values.validated(engine.context_limit)
+        return engine, values.validated(engine.context_limit), prompt
 
     def api_ask(self, question: str, settings: dict | None = None) -> dict:
         """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON)."""
         try:
-            engine, values = self._api_settings(settings)
-            session = engine.new_session(use_cache=values.use_cache, seed=values.seed)
+            engine, values, prompt = self._api_settings(settings)
+            session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
             return engine.ask(session, question, values).to_json()
         except Exception as error:  # API boundary: the client gets the message, the log the traceback
             raise api_error(error, "/ask") from None
@@ -370,10 +373,10 @@ class ChatService:
     def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
         """Continue this API client's chat (one per client session); yields the growing text of the turn."""
         try:
-            engine, values = self._api_settings(settings)
+            engine, values, prompt = self._api_settings(settings)
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat
             entry = self.store.get(request.session_hash)
-            session = self.prepare(entry, engine, values)
+            session = self.prepare(entry, engine, values, prompt)
             entry.begin_turn()
             text = ""
             for event in engine.turn(session, message, values, cancel=entry.cancel):

@@ -150,9 +150,14 @@ def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
 
 
 def test_settings_from_dict():
-    s, tools = settings_from_dict({"max_new_tokens": 5, "temperature": 1, "tools": ["Calculator"]})
-    assert s.max_new_tokens == 5 and s.temperature == 1 and tools == ["Calculator"]
-    assert settings_from_dict(None)[1] is None
+    s, tools, prompt = settings_from_dict({"max_new_tokens": 5, "temperature": 1, "tools": ["Calculator"],
+                                           "prompt": "Be brief.\n{tools}\n"})
+    assert s.max_new_tokens == 5 and s.temperature == 1 and tools == ["Calculator"] and prompt == "Be brief.\n{tools}\n"
+    assert settings_from_dict(None)[1:] == (None, None)
+    with pytest.raises(InputError, match="system prompt is empty"):
+        settings_from_dict({"prompt": "  "})
+    with pytest.raises(InputError, match="prompt must be text"):
+        settings_from_dict({"prompt": ["x"]})
     with pytest.raises(InputError, match="unknown setting"):
         settings_from_dict({"max_tokens": 5})
     with pytest.raises(InputError, match="max_length must be int"):
@@ -363,3 +368,19 @@ def test_api_failures_that_are_not_user_mistakes_are_named(tiny_llama):
     for call in (lambda: service.api_ask("hi"), lambda: list(service.api_chat("hi", None, request("client")))):
         with pytest.raises(gr.Error, match=r"internal error \(RuntimeError: out of memory\)"):
             call()
+
+
+def test_api_takes_a_custom_system_prompt(tiny_llama):
+    service, _ = make_service(tiny_llama)
+    custom = "You are Custom Bot.\n{tools}\n"
+    values = {"max_new_tokens": 2, "max_turns": 0}
+    default = service.api_ask("hi", values)
+    mine = service.api_ask("hi", {**values, "prompt": custom})
+    engine = service.engine_for(None)
+    difference = engine.new_session(custom).prompt_tokens - engine.new_session().prompt_tokens
+    assert mine["total_tokens"] - default["total_tokens"] == difference < 0
+    list(service.api_chat("hi", {**values, "prompt": custom}, request("client")))
+    entry = service.store.peek("client")
+    assert service.decode(entry.session.cache.ids).startswith("You are Custom Bot.\n- Calculator:")
+    list(service.api_chat("again", values, request("client")))  # back to the default prompt: a new chat
+    assert entry.notes == ["System prompt changed: started a new chat."] and len(entry.session.episodes) == 1
