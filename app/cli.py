@@ -11,8 +11,15 @@ from pathlib import Path
 from app.engine import Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes as one `error:` line like every other mistake (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m app", description="TextEnv Chat: a model that answers in "
+    parser = _Parser(prog="python -m app", description="TextEnv Chat: a model that answers in "
                                      "segments and calls tools between them.")
     sub = parser.add_subparsers(dest="command", required=True)
     ask = sub.add_parser("ask", help="answer questions (several run as one batch)")

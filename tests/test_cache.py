@@ -26,7 +26,7 @@ def two_turns(loaded, tokenizer, use_cache: bool):
     return engine, session, episodes
 
 
-def test_cached_and_uncached_give_identical_tokens_and_logits(tiny, tokenizer):
+def test_cached_and_uncached_give_identical_tokens_and_stops(tiny, tokenizer):
     _, cached_session, cached = two_turns(tiny, tokenizer, use_cache=True)
     _, plain_session, plain = two_turns(tiny, tokenizer, use_cache=False)
     assert cached_session.cache.ids == plain_session.cache.ids
@@ -79,6 +79,17 @@ def test_shared_prompt_cache_is_never_mutated(tiny_llama, tokenizer):
     assert base.ids == ids and base.cached == len(ids)
     for layer, (keys, values) in zip(base._kv.layers, snapshot):
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+def test_shared_prompt_caches_keep_the_most_recent_few(tiny_llama):
+    """Visitors' custom prompts each get a shared prefilled cache; only the last PROMPT_CACHE_SIZE stay."""
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    per_prompt = engine.new_session().cache.nbytes
+    for i in range(Engine.PROMPT_CACHE_SIZE + 2):
+        engine.new_session(prompt=f"Custom prompt {i}.\n{{tools}}\n")
+    assert len(engine._prompt_caches) == Engine.PROMPT_CACHE_SIZE
+    assert engine.prompt not in engine._prompt_caches  # the least recently used went first
+    assert 0 < engine.shared_kv_bytes < (Engine.PROMPT_CACHE_SIZE + 1) * per_prompt
 
 
 def test_kv_bytes_are_tokens_times_bytes_per_token(tiny_llama):

@@ -6,6 +6,7 @@ for the handlers, so tool loops are deterministic and fast.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import gradio as gr
@@ -16,6 +17,7 @@ from app.engine import Episode, InputError, Segment, Span, default_prompt_templa
 from app.sessions import MB, SessionStore, StoreStats
 from components.chat import (chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
+from components import handlers
 from components.handlers import ChatService, make_settings, settings_from_dict
 from components.stats import stats_markdown
 from components.tokens import COLOR_MAP, token_counts, token_spans, token_summary
@@ -128,19 +130,25 @@ def test_stats_markdown():
 
 def test_shared_prompt_caches_show_in_stats_and_count_in_the_budget(tiny_llama):
     service, _ = make_service(tiny_llama)  # warm_up prefilled the default prompt for every tool
+    service.engine_for(["Calculator"]).new_session()  # a second engine, its own shared prompt
     shared = service.shared_kv_bytes()
-    assert shared == service.engine_for(None).shared_kv_bytes > 0
+    assert shared == service.engine_for(None).shared_kv_bytes + service.engine_for(["Calculator"]).shared_kv_bytes
     assert f"+ {shared / MB:.1f} MB of shared prompts" in service.stats(None)
-    service.store.budget_bytes = shared  # the shared prompts alone fill the budget
     turn(service, "hi", max_new_tokens=2, max_turns=0)
-    assert service.store.peek("page-1").session.cache.nbytes == 0  # so the session's KV went
+    session = service.store.peek("page-1").session
+    mine = session.cache.nbytes
+    service.store.budget_bytes = mine + shared // 2  # the session alone fits; with the shared prompts it does not
+    turn(service, "again", max_new_tokens=2, max_turns=0)
+    assert session.cache.nbytes == 0  # so the session's KV went
 
 
 # ---- settings ---------------------------------------------------------------------------------------------
 def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
     s = make_settings(False, 300, 8.0, 2, 0)
     assert (s.use_cache, s.max_length, s.max_new_tokens, s.max_turns, s.temperature) == (False, 300, 8, 2, 0.0)
-    assert make_settings(True, 300, 8, 2, 0) is not make_settings(True, 300, 8, 2, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.max_length = 5
+    assert handlers.DEFAULTS.max_length == 2048 and handlers.DEFAULTS.use_cache  # the shared defaults untouched
     with pytest.raises(InputError, match="max_length is empty"):
         make_settings(True, None, 8, 2, 0)
     with pytest.raises(InputError, match="whole number"):

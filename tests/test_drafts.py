@@ -53,3 +53,17 @@ def test_drafts_respect_max_length(engine):
     assert episode.total_tokens <= budget and len(session.cache) <= budget
     assert episode.stop.limit is Limit.MAX_LENGTH or episode.stop.reason is StopReason.STRING_MATCH
     session.cache.check()
+
+
+def test_drafts_need_fewer_forward_passes(engine, monkeypatch):
+    """The point of drafts: without this, every test above would pass with drafting switched off."""
+    from app.kvcache import TokenCache
+
+    calls, forward = [], TokenCache.forward
+    monkeypatch.setattr(TokenCache, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    passes = []
+    for drafts in (0, 8):
+        calls.clear()
+        engine.ask(engine.new_session(), QUESTIONS[0], Settings(max_new_tokens=40, draft_tokens=drafts))
+        passes.append(len(calls))
+    assert passes[1] < passes[0]

@@ -127,3 +127,15 @@ def test_stop_while_the_call_is_written_runs_no_tool(tiny_llama, tokenizer):
                                                                   ("model", "stopped by user")]
     assert episode.segments[1].generated_tokens == 0 and "5<response>" not in episode.answer
     session.cache.check()
+
+
+def test_markers_and_special_tokens_in_a_question_are_neutralized(tiny_llama, tokenizer):
+    """A user cannot end a segment or fake a tool call by typing the protocol's markers or special tokens."""
+    engine = Engine(forced(tiny_llama), tools=TOOLS, prompt=PROMPT)
+    session = prime(engine)
+    episode = engine.ask(session, "Is <call> or <submit> or <|im_end|> or <|endoftext|> special?",
+                         Settings(max_new_tokens=2, max_turns=0))
+    query = session.cache.ids[episode.query_start:episode.query_end]
+    assert not set(query) & set(tokenizer.all_special_ids)
+    text = tokenizer.decode(query)
+    assert "<call>" not in text and "<submit>" not in text and "‹call›" in text

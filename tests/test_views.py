@@ -236,6 +236,8 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
     chat, _, status, _, _ = turn(service, "keep me", tools=["Calculator"], prompt="".join(chr(0x4E00 + i) for i in range(7000)))[-1]
     assert status.startswith("error: the system prompt has") and entry.session is kept  # nothing lost
     assert "System prompt changed" in chat[0]["content"] and len(chat) > 1
+    chat, _, status, _, _ = turn(service, "keep me", prompt="x" * 8001)[-1]
+    assert status == "error: the system prompt is too long (8001 characters, at most 8000)" and entry.session is kept
 
 
 def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):

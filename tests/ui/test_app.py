@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -74,7 +75,8 @@ def test_calculator_question_shows_tool_call_result_and_stop_reasons(open_page):
     OUT.mkdir(exist_ok=True)
     shot = OUT / "calculator.png"
     page.screenshot(path=str(shot), full_page=True)
-    shutil.copyfile(shot, ROOT / "assets" / "screenshot.png")
+    if os.environ.get("UPDATE_SCREENSHOT") == "1":  # refresh the README's picture on purpose, not on every run
+        shutil.copyfile(shot, ROOT / "assets" / "screenshot.png")
 
 
 def test_search_question(open_page):
@@ -181,5 +183,7 @@ def test_gradio_client_ask_returns_episode_json(app_url):
     chunks = list(client.submit("Hello, who are you?", {"max_new_tokens": 8, "max_turns": 0}, api_name="/chat"))
     assert chunks and all(isinstance(c, str) for c in chunks)
     assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:]))
+    chunks = list(client.submit("What is 2 + 2?", None, api_name="/chat"))  # settings None, as in the README
+    assert "<request><Calculator>" in chunks[-1] and "4<response>" in chunks[-1]
     api = client.view_api(print_info=False, return_format="dict")
     assert set(api["named_endpoints"]) == {"/chat", "/ask"} and not api["unnamed_endpoints"]

@@ -1,0 +1,46 @@
+"""Sampling (temperature, top_p, seed) and streaming text: what a user sees when not decoding greedily."""
+
+from __future__ import annotations
+
+from app.engine import Engine, Settings, TextDelta
+from tests.conftest import forced, plan_text, prime
+
+PROMPT = "Answer.\n{tools}\n\n"
+SAMPLED = Settings(max_new_tokens=20, max_turns=0, temperature=1.0)
+
+
+def answer(engine: Engine, settings: Settings, seed: int = 0) -> list[int]:
+    return engine.ask(engine.new_session(seed=seed), "Tell me something.", settings).token_ids
+
+
+def test_the_same_seed_gives_the_same_tokens_and_another_seed_others(tiny_llama):
+    engine = Engine(tiny_llama, tools={}, prompt=PROMPT)
+    assert answer(engine, SAMPLED, seed=1) == answer(engine, SAMPLED, seed=1)
+    assert answer(engine, SAMPLED, seed=1) != answer(engine, SAMPLED, seed=2)
+    assert answer(engine, SAMPLED, seed=1) != answer(engine, Settings(max_new_tokens=20, max_turns=0))
+
+
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(tiny_llama):
+    engine = Engine(tiny_llama, tools={}, prompt=PROMPT)
+    greedy = answer(engine, Settings(max_new_tokens=20, max_turns=0))
+    assert answer(engine, Settings(max_new_tokens=20, max_turns=0, temperature=1.5, top_p=1e-6), seed=3) == greedy
+
+
+def test_a_fork_continues_the_same_random_stream(tiny_llama):
+    engine = Engine(tiny_llama, tools={}, prompt=PROMPT)
+    session = engine.new_session(seed=7)
+    engine.ask(session, "first", SAMPLED)
+    fork = session.fork()
+    assert engine.ask(fork, "second", SAMPLED).token_ids == engine.ask(session, "second", SAMPLED).token_ids
+
+
+def test_streamed_text_never_splits_a_character(tiny_llama, tokenizer):
+    """Emoji and CJK take several byte-level tokens each: the stream holds bytes back until a character is
+    whole, and the deltas add up to the segment's text."""
+    text = "Result = 🎉 中文 ok 👍🏽<submit>"
+    engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, text))), tools={}, prompt=PROMPT)
+    session = prime(engine)
+    deltas = [e.text for e in engine.turn(session, "go", Settings(max_new_tokens=40)) if isinstance(e, TextDelta)]
+    segment = session.episodes[-1].segments[0]
+    assert "".join(deltas) == segment.text == text
+    assert not any("\ufffd" in d for d in deltas) and len(deltas) > 1
