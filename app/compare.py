@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from app.decoding import StopReason
 from app.engine import Engine, Episode, Session, Settings
 
 
@@ -21,6 +22,12 @@ class Comparison:
     def identical(self) -> bool:
         """Same tokens either way (what greedy decoding promises)."""
         return self.cached.token_ids == self.uncached.token_ids
+
+    @property
+    def stopped(self) -> bool:
+        """Stop cut one of the runs short: its time and tokens say nothing about the cache."""
+        return any(s.stop is not None and s.stop.reason is StopReason.CANCELLED
+                   for episode in (self.cached, self.uncached) for s in episode.segments)
 
     @property
     def speedup(self) -> float:

@@ -124,9 +124,10 @@ class SessionStore:
         entry.armed = entry.stops
 
     def reset(self, key: str) -> Entry:
-        """A new chat: the session's history and cache go, the entry (and its cancel Event) stay."""
+        """A new chat: the session's history and cache go, the entry (and its cancel Event) stay. A chat turn
+        still running sees that its session was replaced and stops at its next token; a batch or compare the
+        visitor runs meanwhile goes on (it does not use the chat)."""
         entry = self.get(key)
-        entry.cancel.set()  # a turn still running for this key stops at its next token
         entry.session, entry.engine_key, entry.prompt, entry.notes = None, None, None, []
         return entry
 

@@ -37,7 +37,10 @@ def compare_markdown(result: Comparison) -> str:
     table = ["| | cache on | cache off |", "|---|---|---|"]
     table += [f"| {name} | {a} | {b} |" for name, a, b in rows]
     identical = "yes" if result.identical else "no"
-    summary = (f"**identical tokens: {identical}** · speed-up with the cache: **{speedup_text(result.speedup)}** "
-               f"({result.uncached_s:.2f} s → {result.cached_s:.2f} s)")
+    if result.stopped:  # a cut-short run's tokens and time say nothing about the cache
+        summary = "**stopped by user**: no verdict on identical tokens or speed-up"
+    else:
+        summary = (f"**identical tokens: {identical}** · speed-up with the cache: "
+                   f"**{speedup_text(result.speedup)}** ({result.uncached_s:.2f} s → {result.cached_s:.2f} s)")
     question = escape_text(on.question)
     return f"Question: {question}\n\n" + "\n".join(table) + f"\n\n{summary}"

@@ -245,7 +245,7 @@ class ChatService:
                     partial = None
                     yield view("running", full=True)
             self.store.enforce_budget(self.shared_kv_bytes())
-            yield view("done", full=True)
+            yield view("done" if entry.session is session else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             yield view(failure_status(error, "turn", key), textbox=message, full=True)
 
@@ -290,7 +290,7 @@ class ChatService:
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
             entry.begin_turn()
             result = compare(engine, session, question, settings, cancel=entry.cancel)
-            yield compare_markdown(result), "done"
+            yield compare_markdown(result), "done (stopped by user)" if result.stopped else "done"
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
 
@@ -346,7 +346,8 @@ class ChatService:
         return [], "", "new chat", [], self.stats(entry.session)
 
     def refresh(self, request: gr.Request) -> tuple:
-        """Page load: show this visitor's chat (a reload keeps it while the server holds the session)."""
+        """Page load: a new page (a reload too) is a new Gradio session, so this shows an empty chat, the
+        server's stats, and registers the visitor; closing the page frees the session."""
         entry = self.store.get(request.session_hash)
         session = entry.session
         chat = chat_messages(session.episodes if session else [], entry.notes)

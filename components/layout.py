@@ -79,11 +79,11 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                 with gr.Accordion("Settings", open=True):
                     use_cache = gr.Checkbox(DEFAULTS.use_cache, label="KV cache", elem_id="use-cache")
                     max_length = gr.Number(DEFAULTS.max_length, label="max_length (whole session, tokens)",
-                                           elem_id="max-length", precision=0, minimum=1)
+                                           elem_id="max-length", precision=0)
                     max_new_tokens = gr.Number(DEFAULTS.max_new_tokens, label="max_new_tokens (per segment)",
-                                               elem_id="max-new-tokens", precision=0, minimum=1)
+                                               elem_id="max-new-tokens", precision=0)
                     max_turns = gr.Number(DEFAULTS.max_turns, label="max_turns (tool calls per answer)",
-                                          elem_id="max-turns", precision=0, minimum=0)
+                                          elem_id="max-turns", precision=0)
                     temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05,
                                             label="temperature (0 = greedy)", elem_id="temperature")
                     names = tool_names()
@@ -102,9 +102,11 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         turn_outputs = [chat, msg, status, tokens, stats, *charts_outputs]
         charts = dict(fn=service.timing, inputs=None, outputs=charts_outputs, concurrency_id="charts",
                       concurrency_limit=None, show_progress="hidden", api_visibility="private")
-        # the charts come with the turn's final status, so "done" means everything is shown
+        # the charts come with the turn's final status, so "done" means everything is shown; a message sent
+        # while a turn runs queues behind it ("multiple": Gradio's default "once" drops it silently)
         turn = dict(fn=service.chat_page, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
-                    concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn")
+                    concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn",
+                    trigger_mode="multiple")
         # Stop and arm must not wait behind a running turn: their own group, no limit. Arming when a turn is
         # submitted lets a Stop cancel it while it still waits in the queue behind other visitors' turns.
         quick = dict(concurrency_id="stop", concurrency_limit=None, show_progress="hidden", api_visibility="private")

@@ -127,7 +127,7 @@ def test_reset_clears_the_chat_but_keeps_the_entry():
     entry.engine_key = ("Calculator",)
     assert store.reset("a") is entry
     assert entry.session is None and entry.engine_key is None and entry.notes == []
-    assert entry.cancel.is_set()  # a turn still running for the old chat stops
+    assert not entry.cancel.is_set()  # a batch running for this visitor goes on
 
 
 def test_cancel_sets_the_event_of_that_session_only():

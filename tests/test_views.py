@@ -272,5 +272,24 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
     loaded.model.forward = forward_then_stop
     service.arm(request())
     text, status = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request()))[-1]
-    assert status == "done" and text.count("stopped by user") == 2
+    assert status == "done (stopped by user)" and text.count("stopped by user") == 3  # both runs + the verdict
+    assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
     assert loaded.model.step < 20
+
+
+def test_new_chat_during_a_batch_leaves_the_batch_running(tiny_llama):
+    """Regression: New chat set the visitor's stop signal, which the batch on the other tab obeys too."""
+    service, loaded = make_service(tiny_llama, eos_ids=frozenset())
+    forward = loaded.model.forward
+
+    def forward_then_new_chat(*args, **kwargs):
+        if loaded.model.step == 2:
+            service.new_chat(request())
+        return forward(*args, **kwargs)
+
+    loaded.model.forward = forward_then_new_chat
+    service.arm(request())
+    frame, summary, status = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
+                                                request()))[-1]
+    assert status == "done" and "total time, cache off" in summary
+    assert "stopped by user" not in " ".join(frame["stops"])

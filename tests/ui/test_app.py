@@ -162,6 +162,29 @@ def test_stop_cancels_generation(open_page):
     send(page, "Hi")  # the session is still consistent and usable
 
 
+def test_a_message_sent_while_a_turn_runs_is_answered_after_it(open_page):
+    """Regression: Send during a running turn was dropped silently (Gradio's trigger_mode "once")."""
+    page = open_page()
+    set_number(page, "max-new-tokens", 24)
+    set_number(page, "max-turns", 0)
+    page.locator("#msg textarea").fill("Tell me a story about a dog.")
+    page.locator("#send").click()
+    expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
+    page.locator("#msg textarea").fill("What is 3 + 4?")
+    page.locator("#send").click()
+    expect(user_messages(page)).to_have_count(2, timeout=2 * TURN_MS)
+    expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
+    expect(user_messages(page).last).to_have_text("What is 3 + 4?")
+    assert len(model_parts(page)) == 2
+
+
+def test_a_number_below_its_range_is_a_status_message(open_page):
+    """Regression: the field's own minimum raised Gradio's raw error over every output, with a traceback."""
+    page = open_page()
+    set_number(page, "max-new-tokens", 0)
+    send(page, "Hi", status="error: max_new_tokens must be between 1 and 4096")
+
+
 def test_empty_message_shows_an_error(open_page):
     page = open_page()
     send(page, "", status="error: the message is empty")
