@@ -1,7 +1,7 @@
 """Server-side store of chat sessions, keyed by the web session id (e.g. Gradio's session hash).
 
 No Gradio imports: the page hands in a key string. Each entry holds an engine Session (token ids, history,
-KV cache), the key of the engine that owns it (its tool set), its prompt template, a cancel Event for the stop button, and notes
+KV cache), the key of the engine that owns it (its tool set), its prompt template, a StopSignal per Stop button, and notes
 to show above the chat. Memory is bounded by a byte budget over the KV caches: when the total goes over,
 the least recently used sessions lose their KV (`cache.drop_kv()`, ids and history are kept; their next turn
 recomputes); KV held outside the sessions (the shared prefilled prompts) counts too. Idle sessions are deleted
@@ -36,26 +36,46 @@ def idle_timeout_from_env(default_s: float = 3600) -> float:
 
 
 @dataclass
+class StopSignal:
+    """One Stop button. The page takes a ticket when it submits work; a Stop pressed after that cancels the work
+    between two tokens if it runs, or at once when it starts if it was still waiting in the queue."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    presses: int = 0
+
+    def press(self) -> None:
+        self.presses += 1
+        self.event.set()
+
+    def ticket(self) -> int:
+        return self.presses
+
+    def begin(self, ticket: int | None) -> threading.Event:
+        """Start work submitted with `ticket` (None: not from the page, e.g. the API); return the Event it
+        watches, already set when Stop was pressed since the ticket was taken."""
+        if ticket is not None and self.presses > ticket:
+            self.event.set()
+        else:
+            self.event.clear()
+        return self.event
+
+
+@dataclass
 class Entry:
     """One visitor's chat: the engine session (None until the first turn) and what belongs with it."""
 
     session: Session | None = None
     engine_key: tuple[str, ...] | None = None  # the tool set the session's system prompt lists
     prompt: str | None = None  # the prompt template the session started from (None: the engine's default)
-    cancel: threading.Event = field(default_factory=threading.Event)
+    chat_stop: StopSignal = field(default_factory=StopSignal)  # the Chat tab's Stop: chat turns and Compare
+    batch_stop: StopSignal = field(default_factory=StopSignal)  # the Batch tab's Stop
     notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
     last_used: float = field(default_factory=time.monotonic)
-    stops: int = 0  # Stop presses so far
-    armed: int | None = None  # `stops` when the page submitted the turn that has not started yet
 
-    def begin_turn(self) -> None:
-        """A turn starts: already cancelled if Stop was pressed since the page submitted it (it may have waited
-        in the queue behind other visitors), otherwise clear of any earlier Stop or new chat."""
-        armed, self.armed = self.armed, None
-        if armed is not None and self.stops > armed:
-            self.cancel.set()
-        else:
-            self.cancel.clear()
+    def stop_everything(self) -> None:
+        """The page is gone: whatever runs for it stops at its next token."""
+        self.chat_stop.press()
+        self.batch_stop.press()
 
     @property
     def kv_bytes(self) -> int:
@@ -108,20 +128,13 @@ class SessionStore:
         with self._lock:
             return len(self._entries)
 
-    def cancel(self, key: str) -> bool:
-        """Ask the key's running (or submitted) turn to stop between tokens; False when there is no such session."""
+    def cancel(self, key: str, lane: str = "chat") -> bool:
+        """Press the key's Stop for its chat (turns, Compare) or its batch; False when there is no such session."""
         entry = self.peek(key)
         if entry is None:
             return False
-        entry.stops += 1
-        entry.cancel.set()
+        (entry.batch_stop if lane == "batch" else entry.chat_stop).press()
         return True
-
-    def arm(self, key: str) -> None:
-        """The page just submitted a turn for this key: a Stop pressed from now on cancels it, even while it waits
-        in the queue (see Entry.begin_turn)."""
-        entry = self.get(key)
-        entry.armed = entry.stops
 
     def reset(self, key: str) -> Entry:
         """A new chat: the session's history and cache go, the entry (and its cancel Event) stay. A chat turn
@@ -137,7 +150,7 @@ class SessionStore:
             entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        entry.cancel.set()
+        entry.stop_everything()
         return True
 
     # ---- limits ---------------------------------------------------------------------------------------------
@@ -147,7 +160,7 @@ class SessionStore:
         with self._lock:
             expired = [k for k, e in self._entries.items() if now - e.last_used > self.idle_timeout_s]
             for key in expired:
-                self._entries.pop(key).cancel.set()
+                self._entries.pop(key).stop_everything()
         if expired:
             log.info("deleted %d idle session(s)", len(expired))
         return expired

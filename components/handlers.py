@@ -209,11 +209,13 @@ class ChatService:
 
     # ---- page events ----------------------------------------------------------------------------------------
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-             request: gr.Request) -> Iterator[tuple]:
-        """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield."""
+             request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
+        """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `ticket`: the
+        Stop ticket taken when the page submitted it (see submit)."""
         key = request.session_hash
         entry = self.store.get(key)
         message = message or ""
+        cancel = entry.chat_stop.begin(ticket)
 
         def view(status, textbox=None, partial=None, full=False):
             current = entry.session
@@ -223,16 +225,18 @@ class ChatService:
                 return chat, textbox, status, gr.skip(), gr.skip()
             return chat, textbox, status, self.token_view(current), self.stats(current)
 
-        yield view("running", textbox="")
+        if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent
+            yield view("stopped: the message was not sent", textbox=message)
+            return
+        yield view("running")
         try:
             settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
             engine = self.engine_for(list(tools or []))
             settings = settings.validated(engine.context_limit)
             clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
-            entry.begin_turn()
             partial: str | None = None
-            for event in engine.turn(session, message, settings, cancel=entry.cancel):
+            for event in engine.turn(session, message, settings, cancel=cancel):
                 if entry.session is not session:  # new chat (or page closed) while this turn ran
                     break
                 if isinstance(event, SegmentStarted):
@@ -258,21 +262,36 @@ class ChatService:
         order = segment_order(tokens)
         return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order), timing_summary(episodes)
 
-    def chat_page(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-                  request: gr.Request) -> Iterator[tuple]:
-        """chat() plus the timing view, which arrives with the turn's final status (done / error)."""
-        for output in self.chat(message, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
-                                prompt, request):
+    def submit(self, message: str, request: gr.Request) -> tuple[str, dict]:
+        """Runs unqueued the moment the page sends a message: empties the box at once (what the visitor types
+        next is kept, even while this turn waits in the queue) and hands the turn its message and Stop ticket."""
+        return "", {"message": message or "", "ticket": self.ticket(request)}
+
+    def ticket(self, request: gr.Request) -> int:
+        """A Stop ticket for the Chat tab's work (turns, Compare), taken when the page submits it."""
+        return self.store.get(request.session_hash).chat_stop.ticket()
+
+    def batch_ticket(self, request: gr.Request) -> int:
+        return self.store.get(request.session_hash).batch_stop.ticket()
+
+    def chat_page(self, submitted: dict | None, use_cache, max_length, max_new_tokens, max_turns, temperature,
+                  tools, prompt, request: gr.Request) -> Iterator[tuple]:
+        """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
+        status (done / error)."""
+        submitted = submitted or {}
+        for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
+                                temperature, tools, prompt, request, submitted.get("ticket")):
             if output[2] == "running":
                 yield (*output, gr.skip(), gr.skip(), gr.skip())
             else:
                 yield (*output, *self.timing(request))
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-                request: gr.Request) -> Iterator[tuple]:
+                request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
         """The current question (message box, else the chat's last one) with the cache on and off, side by side,
         on forks of this visitor's session (the chat is unchanged). Yields (result markdown, status)."""
         entry = self.store.get(request.session_hash)
+        cancel = entry.chat_stop.begin(ticket)
         yield gr.skip(), "running: compare (cache on, then off)"
         try:
             question = (message or "").strip()
@@ -288,8 +307,7 @@ class ChatService:
             session = self.matching_session(entry, engine, prompt)
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
-            entry.begin_turn()
-            result = compare(engine, session, question, settings, cancel=entry.cancel)
+            result = compare(engine, session, question, settings, cancel=cancel)
             yield compare_markdown(result), "done (stopped by user)" if result.stopped else "done"
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
@@ -299,9 +317,9 @@ class ChatService:
         return format_items(builtin_questions())
 
     def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-              request: gr.Request) -> Iterator[tuple]:
+              request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
         """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
-        entry = self.store.get(request.session_hash)
+        cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
         yield empty_frame(), "", "running"
         try:
             items = parse_batch(text)
@@ -310,36 +328,35 @@ class ChatService:
             settings = settings.validated(engine.context_limit)
             prompt = clean_prompt(prompt)
             questions = [item.question for item in items]
-            entry.begin_turn()
             runs: list[BatchRun] = []
             for cached in (True, False):
                 mode = "on" if cached else "off"
                 values = dataclasses.replace(settings, use_cache=cached)
                 episodes: list[Episode] = []
                 began = time.perf_counter()
-                for event in engine.stream_batch(questions, values, prompt, cancel=entry.cancel):
+                for event in engine.stream_batch(questions, values, prompt, cancel=cancel):
                     if isinstance(event, EpisodeFinished):
                         episodes.append(event.episode)
                         yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(episodes)}/{len(items)} done"
                 runs.append(BatchRun(episodes, time.perf_counter() - began, cached))
                 if cached:  # show the rows as soon as the first pass is done
                     yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"
-                if entry.cancel.is_set():
+                if cancel.is_set():
                     break
             on, off = runs[0], (runs[1] if len(runs) > 1 else None)
             for episode, score in zip(on.episodes, rewards(on.episodes, items)):
                 episode.reward = score
-            status = "done" if not entry.cancel.is_set() else "done (stopped by user)"
+            status = "done" if not cancel.is_set() else "done (stopped by user)"
             yield batch_frame(on.episodes, items), batch_summary(items, on, off), status
         except Exception as error:  # handler boundary
             yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
 
     def stop(self, request: gr.Request) -> None:
+        """The Chat tab's Stop: the running turn or Compare, and every one submitted before it."""
         self.store.cancel(request.session_hash)
 
-    def arm(self, request: gr.Request) -> None:
-        """Runs, unqueued, when the page submits a turn, compare or batch: from now on Stop cancels it."""
-        self.store.arm(request.session_hash)
+    def stop_batch(self, request: gr.Request) -> None:
+        self.store.cancel(request.session_hash, "batch")
 
     def new_chat(self, request: gr.Request) -> tuple:
         entry = self.store.reset(request.session_hash)
@@ -378,9 +395,8 @@ class ChatService:
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat
             entry = self.store.get(request.session_hash)
             session = self.prepare(entry, engine, values, prompt)
-            entry.begin_turn()
             text = ""
-            for event in engine.turn(session, message, values, cancel=entry.cancel):
+            for event in engine.turn(session, message, values, cancel=entry.chat_stop.begin(None)):
                 if isinstance(event, TextDelta):
                     text += event.text
                     yield text

@@ -96,6 +96,10 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
                                             show_inline_category=False)
 
+        # What the page hands queued work when it is submitted: a sent message with its Stop ticket, and the
+        # tickets of Compare and Batch (hidden: their values travel with each queued event)
+        submitted = gr.JSON(visible=False)
+        compare_ticket, batch_ticket = gr.Number(visible=False), gr.Number(visible=False)
         settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt]
         turn_inputs = [msg, *settings_inputs]
         charts_outputs = [timing, timing_ms, timing_text]
@@ -104,27 +108,28 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                       concurrency_limit=None, show_progress="hidden", api_visibility="private")
         # the charts come with the turn's final status, so "done" means everything is shown; a message sent
         # while a turn runs queues behind it ("multiple": Gradio's default "once" drops it silently)
-        turn = dict(fn=service.chat_page, inputs=turn_inputs, outputs=turn_outputs, concurrency_id=MODEL,
+        turn = dict(fn=service.chat_page, inputs=[submitted, *settings_inputs], outputs=turn_outputs, concurrency_id=MODEL,
                     concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn",
                     trigger_mode="multiple")
-        # Stop and arm must not wait behind a running turn: their own group, no limit. Arming when a turn is
-        # submitted lets a Stop cancel it while it still waits in the queue behind other visitors' turns.
+        # Submitting (the message box emptied, Stop tickets taken) and Stop must not wait behind running work:
+        # their own group, no limit. A ticket lets Stop cancel work still waiting in the queue.
         quick = dict(concurrency_id="stop", concurrency_limit=None, show_progress="hidden", api_visibility="private")
-        send.click(service.arm, **quick, api_name="ui_arm_send").then(**turn)
-        msg.submit(service.arm, **quick, api_name="ui_arm_submit").then(**{**turn, "api_name": "ui_submit"})
+        send.click(service.submit, msg, [msg, submitted], **quick, api_name="ui_send").then(**turn)
+        msg.submit(service.submit, msg, [msg, submitted], **quick,
+                   api_name="ui_enter").then(**{**turn, "api_name": "ui_submit"})
         stop.click(service.stop, **quick, api_name="ui_stop")
-        batch_stop.click(service.stop, **quick, api_name="ui_batch_stop")
+        batch_stop.click(service.stop_batch, **quick, api_name="ui_batch_stop")
         new_chat.click(service.new_chat, None, [chat, msg, status, tokens, stats], concurrency_id="new-chat",
                        concurrency_limit=None, show_progress="hidden", api_visibility="private",
                        api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
-        compare.click(service.arm, **quick, api_name="ui_arm_compare").then(
-            service.compare, turn_inputs, [compare_result, status], concurrency_id=MODEL, concurrency_limit=1,
+        compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
+            service.compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=1,
             show_progress="hidden", api_visibility="private", api_name="ui_compare")
         batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
-        batch_run.click(service.arm, **quick, api_name="ui_arm_batch").then(
-            service.batch, [batch_questions, *settings_inputs], [batch_results, batch_summary, batch_status],
+        batch_run.click(service.batch_ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
+            service.batch, [batch_questions, *settings_inputs, batch_ticket], [batch_results, batch_summary, batch_status],
             concurrency_id=MODEL, concurrency_limit=1, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,

@@ -215,7 +215,7 @@ def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
     outputs = turn(service, "What is 41 * 23?")
     chat, textbox, status, tokens, stats = outputs[-1]
     assert status == "done" and textbox == gr.skip()  # cleared at the start; text typed since is kept
-    assert outputs[0][2] == "running" and outputs[0][1] == ""
+    assert outputs[0][2] == "running" and outputs[0][1] == gr.skip()  # the page emptied the box on submit
     assert all(o[2] == "running" for o in outputs[:-1])
     assert any("generating" in str(o[0][-1:]) for o in outputs[:-1])  # streamed token by token
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant", "assistant"]
@@ -348,22 +348,33 @@ def test_temperatures_that_would_break_sampling_are_input_errors(tiny_llama, tem
         service.api_ask("hi", {"temperature": temperature, "max_new_tokens": 4})
 
 
-def test_stop_pressed_while_a_submitted_turn_waits_cancels_it(tiny_llama):
-    """Regression: the turn cleared the Stop flag when it started, so a Stop pressed while it waited in the queue
-    (behind another visitor's turn) was ignored and the whole answer ran."""
+def page_turn(service, submitted: dict, max_new_tokens: int = 50) -> tuple:
+    """The last output of a turn the page queued: chat_page on what submit() handed over."""
+    return list(service.chat_page(submitted, True, 4096, max_new_tokens, 4, 0, ["Calculator", "Search"],
+                                  default_prompt_template(), request()))[-1]
+
+
+def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
+    """Regressions: the turn cleared the Stop flag when it started, so a Stop pressed while it waited in the queue
+    was ignored; then one 'armed' slot per visitor made a Stop cancel the next queued message but not the one
+    after it."""
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    service.stop(request())  # an old Stop (or a new chat) before the submit does not count
-    service.arm(request())  # the page submits
-    chat, _, status, _, _ = turn(service, "go on", max_new_tokens=50)[-1]
-    assert status == "done" and "stop: stopped by user" not in chat[-1]["content"]
-    service.arm(request())
-    service.stop(request())  # pressed while the turn is still queued
-    chat, _, status, _, _ = turn(service, "and again", max_new_tokens=50)[-1]
-    segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
-    assert status == "done" and segment.stop.reason is StopReason.CANCELLED and segment.generated_tokens == 0
-    assert "stop: stopped by user" in chat[-1]["content"]
-    chat, _, status, _, _ = turn(service, "no arm: API and direct calls start clear", max_new_tokens=3)[-1]
-    assert "stopped by user" not in chat[-1]["content"]
+    service.stop(request())  # an old Stop, before anything was submitted, does not count
+    box, submitted = service.submit("go on", request())
+    assert box == "" and submitted["message"] == "go on"  # the box empties at once, not when the turn starts
+    chat, _, status, *_ = page_turn(service, submitted)
+    assert status == "done" and "stopped by user" not in chat[-1]["content"]
+    queued = [service.submit(text, request())[1] for text in ("second", "third")]
+    service.stop(request())  # pressed while both wait in the queue
+    episodes = len(service.store.peek("page-1").session.episodes)
+    for payload in queued:
+        chat, box, status, *_ = page_turn(service, payload)
+        assert status == "stopped: the message was not sent" and box == payload["message"]  # back in the box
+    assert len(service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
+    chat, _, status, *_ = page_turn(service, service.submit("after the stop", request())[1], max_new_tokens=3)
+    assert status == "done" and chat[-2]["content"] == "after the stop"
+    chat, _, status, _, _ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
+    assert status == "done" and "stopped by user" not in chat[-1]["content"]
 
 
 def test_api_failures_that_are_not_user_mistakes_are_named(tiny_llama):

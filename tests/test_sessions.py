@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app.engine import Engine, Settings
-from app.sessions import MB, SessionStore, budget_from_env, idle_timeout_from_env
+from app.sessions import MB, SessionStore, StopSignal, budget_from_env, idle_timeout_from_env
 from tests.conftest import forced
 
 
@@ -82,7 +82,7 @@ def test_shared_prompt_bytes_count_in_the_budget():
 
 def test_the_sweeper_deletes_idle_sessions_without_any_visitor():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=0.05)
-    cancel = store.get("idle").cancel
+    cancel = store.get("idle").chat_stop.event
     stop = store.start_sweeper(every_s=0.02)
     try:
         deadline = time.monotonic() + 5
@@ -93,11 +93,23 @@ def test_the_sweeper_deletes_idle_sessions_without_any_visitor():
     assert "idle" not in store and cancel.is_set()
 
 
+def test_a_stop_cancels_work_submitted_before_it_running_or_queued():
+    signal = StopSignal()
+    first, second = signal.ticket(), signal.ticket()  # two messages submitted
+    assert not signal.begin(first).is_set()  # the first starts
+    signal.press()  # Stop while it runs (the second still waits in the queue)
+    assert signal.event.is_set()
+    assert signal.begin(second).is_set()  # the second starts already cancelled
+    assert not signal.begin(signal.ticket()).is_set()  # work submitted after the Stop runs
+    signal.press()
+    assert not signal.begin(None).is_set()  # work that took no ticket (API) starts clear
+
+
 def test_idle_sessions_are_deleted_and_cancelled():
     clock = Clock()
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60, clock=clock)
     filled(store, {"old": 1, "new": 1})
-    old_cancel = store.peek("old").cancel
+    old_cancel = store.peek("old").batch_stop.event
     clock.now += 40
     store.get("new")
     clock.now += 30  # old idle 70 s, new idle 30 s
@@ -112,7 +124,7 @@ def test_idle_sessions_are_deleted_and_cancelled():
 def test_unload_removes_and_cancels():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
     filled(store, {"a": 10})
-    cancel = store.peek("a").cancel
+    cancel = store.peek("a").chat_stop.event
     assert store.remove("a") is True
     assert cancel.is_set() and "a" not in store
     assert store.remove("a") is False
@@ -127,14 +139,16 @@ def test_reset_clears_the_chat_but_keeps_the_entry():
     entry.engine_key = ("Calculator",)
     assert store.reset("a") is entry
     assert entry.session is None and entry.engine_key is None and entry.notes == []
-    assert not entry.cancel.is_set()  # a batch running for this visitor goes on
+    assert not entry.batch_stop.event.is_set()  # a batch running for this visitor goes on
 
 
 def test_cancel_sets_the_event_of_that_session_only():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
     a, b = store.get("a"), store.get("b")
     assert store.cancel("a") is True
-    assert a.cancel.is_set() and not b.cancel.is_set()
+    assert a.chat_stop.event.is_set() and not b.chat_stop.event.is_set()
+    assert not a.batch_stop.event.is_set()  # each Stop button has its own signal
+    assert store.cancel("b", "batch") is True and b.batch_stop.event.is_set() and not b.chat_stop.event.is_set()
     assert store.cancel("missing") is False and "missing" not in store
 
 

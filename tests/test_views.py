@@ -245,7 +245,8 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     tokens_plot, ms_plot, summary = service.timing(request())
     assert tokens_plot.value is None or tokens_plot.value["data"] == []
     assert summary == "Timing: no turns yet"
-    outputs = list(service.chat_page("What is 41 * 23?", *SETTINGS, TOOLS, default_prompt_template(), request()))
+    submitted = service.submit("What is 41 * 23?", request())[1]
+    outputs = list(service.chat_page(submitted, *SETTINGS, TOOLS, default_prompt_template(), request()))
     assert all(o[5:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
     assert outputs[-1][2] == "done"
     tokens_plot, ms_plot, summary = outputs[-1][5:]
@@ -270,8 +271,9 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
         return forward(*args, **kwargs)
 
     loaded.model.forward = forward_then_stop
-    service.arm(request())
-    text, status = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request()))[-1]
+    ticket = service.ticket(request())
+    text, status = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
+                                        ticket))[-1]
     assert status == "done (stopped by user)" and text.count("stopped by user") == 3  # both runs + the verdict
     assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
     assert loaded.model.step < 20
@@ -288,8 +290,7 @@ def test_new_chat_during_a_batch_leaves_the_batch_running(tiny_llama):
         return forward(*args, **kwargs)
 
     loaded.model.forward = forward_then_new_chat
-    service.arm(request())
     frame, summary, status = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
-                                                request()))[-1]
+                                                request(), service.batch_ticket(request())))[-1]
     assert status == "done" and "total time, cache off" in summary
     assert "stopped by user" not in " ".join(frame["stops"])

@@ -162,20 +162,28 @@ def test_stop_cancels_generation(open_page):
     send(page, "Hi")  # the session is still consistent and usable
 
 
-def test_a_message_sent_while_a_turn_runs_is_answered_after_it(open_page):
-    """Regression: Send during a running turn was dropped silently (Gradio's trigger_mode "once")."""
+def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_kept(open_page):
+    """Regressions: Send during a running turn was dropped (Gradio's trigger_mode "once"); the box was emptied
+    when a queued turn started, erasing what the visitor had typed since (and quick sends lost a message)."""
     page = open_page()
     set_number(page, "max-new-tokens", 24)
     set_number(page, "max-turns", 0)
-    page.locator("#msg textarea").fill("Tell me a story about a dog.")
+    box = page.locator("#msg textarea")
+    box.fill("Tell me a story about a dog.")
     page.locator("#send").click()
     expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
-    page.locator("#msg textarea").fill("What is 3 + 4?")
+    box.fill("What is 3 + 4?")
     page.locator("#send").click()
-    expect(user_messages(page)).to_have_count(2, timeout=2 * TURN_MS)
+    expect(box).to_have_value("")  # emptied on submit, not when the queued turn starts
+    box.fill("Say hi")
+    box.press("Enter")
+    expect(box).to_have_value("")
+    box.fill("a draft I have not sent")
+    expect(user_messages(page)).to_have_count(3, timeout=3 * TURN_MS)
     expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
-    expect(user_messages(page).last).to_have_text("What is 3 + 4?")
-    assert len(model_parts(page)) == 2
+    expect(user_messages(page)).to_have_text(["Tell me a story about a dog.", "What is 3 + 4?", "Say hi"])
+    assert len(model_parts(page)) == 3
+    expect(box).to_have_value("a draft I have not sent")
 
 
 def test_a_number_below_its_range_is_a_status_message(open_page):
