@@ -115,10 +115,10 @@ def failure_status(error: Exception, what: str, key: str) -> str:
 def api_error(error: Exception, what: str) -> gr.Error:
     """The error an API client sees: a user mistake as is, anything else logged and named (not Gradio's generic
     "upstream app has raised an exception")."""
-    if isinstance(error, InputError):
-        return gr.Error(str(error))
-    log.exception("%s failed", what)
-    return gr.Error(f"internal error ({type(error).__name__}: {error})")
+    if isinstance(error, InputError):  # a user mistake: no traceback in the server log
+        return gr.Error(str(error), print_exception=False)
+    log.exception("%s failed", what)  # logged here once; Gradio need not print it again
+    return gr.Error(f"internal error ({type(error).__name__}: {error})", print_exception=False)
 
 
 class ChatService:

@@ -403,3 +403,12 @@ def test_api_takes_a_custom_system_prompt(tiny_llama):
     assert service.decode(entry.session.cache.ids).startswith("You are Custom Bot.\n- Calculator:")
     list(service.api_chat("again", values, request("client")))  # back to the default prompt: a new chat
     assert entry.notes == ["System prompt changed: started a new chat."] and len(entry.session.episodes) == 1
+
+
+def test_api_user_mistakes_leave_no_traceback_in_the_log(tiny_llama, caplog):
+    """Regression: every bad API value printed Gradio's full traceback, burying the real failures."""
+    service, _ = make_service(tiny_llama)
+    with pytest.raises(gr.Error) as caught:
+        service.api_ask("hi", {"tools": ["Nope"]})
+    assert caught.value.print_exception is False and "unknown tool" in str(caught.value)
+    assert not [r for r in caplog.records if r.exc_info]
