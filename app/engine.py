@@ -25,9 +25,7 @@ from app.protocol import CALL, RESPONSE, STOP_STRINGS, ToolCallError, encode, ne
 from app.tools.registry import Tool, default_tools, run_tool
 
 MAX_QUESTION_CHARS = 4000
-
-
-MIN_TEMPERATURE = 0.01
+MIN_TEMPERATURE = 0.01  # above 0 and below this, logits / temperature overflows float32
 
 
 class InputError(ValueError):
@@ -54,7 +52,6 @@ class Settings:
             (1 <= self.max_length <= context_limit, f"max_length must be between 1 and {context_limit}"),
             (0 <= self.max_turns <= 32, "max_turns must be between 0 and 32"),
             (1 <= self.max_tool_response <= 20000, "max_tool_response must be between 1 and 20000"),
-            # a tiny positive temperature overflows logits / temperature (inf, then NaN probabilities)
             (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 5,
              f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 5"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),

@@ -137,7 +137,7 @@ class SessionStore:
         return True
 
     def reset(self, key: str) -> Entry:
-        """A new chat: the session's history and cache go, the entry (and its cancel Event) stay. A chat turn
+        """A new chat: the session's history and cache go, the entry (and its Stop signals) stay. A chat turn
         still running sees that its session was replaced and stops at its next token; a batch or compare the
         visitor runs meanwhile goes on (it does not use the chat)."""
         entry = self.get(key)
