@@ -25,7 +25,7 @@ from app.protocol import CALL, RESPONSE, STOP_STRINGS, ToolCallError, encode, ne
 from app.tools.registry import Tool, default_tools, run_tool
 
 MAX_QUESTION_CHARS = 4000
-MIN_TEMPERATURE = 0.01  # above 0 and below this, logits / temperature overflows float32
+MIN_TEMPERATURE = 0.01  # below it sampling is greedy in all but name, and tiny values overflow logits / temperature
 
 
 class InputError(ValueError):
