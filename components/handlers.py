@@ -172,9 +172,10 @@ class ChatService:
         missing; a different tool set or prompt starts a new chat, with a note."""
         key = tuple(engine.tools)
         prompt = default_prompt_template() if prompt is None else prompt
+        current = self.matching_session(entry, engine, prompt)
+        if current is not None:
+            return current
         old = entry.session
-        if old is not None and entry.engine_key == key and entry.prompt == prompt:
-            return old
         # the new session first: a prompt the engine rejects (e.g. too long) leaves the chat as it was
         session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
         if old is not None and old.episodes:
@@ -208,6 +209,13 @@ class ChatService:
         return sum(engine.shared_kv_bytes for engine in engines)
 
     # ---- page events ----------------------------------------------------------------------------------------
+    def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature,
+                       tools) -> tuple[Engine, Settings]:
+        """The engine for the checked tools and the page's settings, checked against its model."""
+        settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
+        engine = self.engine_for(list(tools or []))
+        return engine, settings.validated(engine.context_limit)
+
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
              request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
         """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `ticket`: the
@@ -230,9 +238,8 @@ class ChatService:
             return
         yield view("running")
         try:
-            settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
-            engine = self.engine_for(list(tools or []))
-            settings = settings.validated(engine.context_limit)
+            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
+                                                   tools)
             clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             partial: str | None = None
@@ -300,9 +307,8 @@ class ChatService:
                 if not last:
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
                 question = last
-            settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
-            engine = self.engine_for(list(tools or []))
-            settings = settings.validated(engine.context_limit)
+            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
+                                                   tools)
             prompt = clean_prompt(prompt)
             session = self.matching_session(entry, engine, prompt)
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
@@ -323,9 +329,8 @@ class ChatService:
         yield empty_frame(), "", "running"
         try:
             items = parse_batch(text)
-            settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
-            engine = self.engine_for(list(tools or []))
-            settings = settings.validated(engine.context_limit)
+            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
+                                                   tools)
             prompt = clean_prompt(prompt)
             questions = [item.question for item in items]
             runs: list[BatchRun] = []
