@@ -75,11 +75,42 @@ def test_known_word_comes_first(backend: FtsSearch, word: str) -> None:
     assert backend.search(word, 3)[0].title.lower() == expected
 
 
-def test_hit_has_a_marked_snippet(backend: FtsSearch) -> None:
-    hit = backend.search("kludge", 1)[0]
-    assert isinstance(hit, Hit)
-    assert "[" in hit.snippet and "]" in hit.snippet
-    assert "\n" not in hit.snippet
+@pytest.mark.parametrize("query, title, opening", [
+    ("grok", "grok", "To understand."),  # sense 1, after pronunciation, part of speech, etymology and a usage note
+    ("bignum", "bignum", "A multiple-precision computer representation for very large integers"),  # [techspeak]
+    ("Heisenbugs", "heisenbug", "A bug that disappears or alters its behavior"),  # case and plural
+    ("brain damaged", "brain-damaged", "Obviously wrong; cretinous; demented"),  # spacing; bracket inside a sense
+    ("what does yak shaving mean", "yak shaving", "Any seemingly pointless activity"),  # question words dropped
+    ("wizard", "wizard", "Transitively, a person who knows how a complex piece of software or hardware works"),
+    ("bit rot", "bit rot", "Hypothetical disease"),  # the alias note "Also bit decay." is not a definition
+])
+def test_a_named_headword_is_the_one_hit_with_a_clean_opening(backend: FtsSearch, query, title, opening) -> None:
+    hit = backend.search(query, 3)[0]
+    assert hit.exact and hit.title == title and hit.text.startswith(opening), hit
+    assert not any(mark in hit.text for mark in "[]/\n") and "…" not in hit.text[:-1]  # cut only at its end
+    assert not hit.text.endswith(".")  # (the model copying it then goes on with <submit>, not a new line)
+    assert search_tool(query) == f"{title}: {hit.text}"  # one line: nothing for the model to mix it up with
+
+
+def test_a_pointer_entry_gives_the_definition_it_points_to(backend: FtsSearch) -> None:
+    # "kludge": "1. Incorrect (though regrettably common) spelling of kluge (US)."
+    assert search_tool("kludge") == ("kludge (see kluge): A Rube Goldberg (or Heath Robinson) device, whether in "
+                                     "hardware or software")
+
+
+def test_without_a_headword_the_best_entries_each_give_their_opening(backend: FtsSearch) -> None:
+    hits = backend.search("computer that crashes a lot", 3)
+    assert len(hits) == 3 and not any(hit.exact for hit in hits)
+    lines = search_tool("computer that crashes a lot").split("\n")
+    assert [line.split(": ", 1)[0] for line in lines] == [hit.title for hit in hits]
+    assert all(len(line) <= 400 // 3 for line in lines)
+
+
+def test_an_answer_copies_the_first_entry() -> None:
+    from app.tools.search import first_entry
+
+    assert first_entry("grok: To understand.") == "grok: To understand."
+    assert first_entry("kludge (see kluge): A device.\nother: x") == "kludge (see kluge): A device."
 
 
 BREAKERS = ["C++", "what's", '"unbalanced', "AND", "a OR", "(x", "C#", "foo:bar", "-x", "*", "NEAR(",
@@ -113,10 +144,8 @@ def test_match_expression_quotes_every_term() -> None:
 
 def test_tool_output_is_short(backend: FtsSearch) -> None:
     text = search_tool("hacker")
-    lines = text.split("\n")
-    assert len(lines) == 3
-    assert lines[0].startswith("hacker: ")
-    assert len(text) <= 400
+    assert text.startswith("hacker: A person who enjoys exploring") and "\n" not in text
+    assert len(text) <= 220
 
 
 def test_no_results(backend: FtsSearch) -> None:

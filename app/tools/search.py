@@ -1,7 +1,10 @@
 """Search tool: the Jargon File in an SQLite FTS5 index, behind a swappable interface.
 
-`search_tool("kludge")` returns the top hits as compact text (`title: [snippet]…`, one line
-per hit). Another backend (embeddings, a web API) only has to provide `SearchBackend.search`.
+`search_tool("kludge")` answers what a person asking "what does kludge mean" needs, as text short enough for a
+small model to copy: when the query names a headword (any case, a plural, or an entry that only points to
+another, like kludge -> kluge) just that entry, `title: opening of its definition`; otherwise the best BM25
+entries, one such line each. Another backend (embeddings, a web API) only has to provide
+`SearchBackend.search`.
 
 The index is built by this module, once, from the committed corpus
 `assets/jargon/jargon.jsonl.gz` into `cache_dir()/jargon-<hash>.db` (hash of the corpus and of
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from app.config import ASSETS, cache_dir
+from app.tools.jargon import opening, redirect_target, shorten
 from app.tools.registry import ToolError
 
 log = logging.getLogger(__name__)
@@ -41,13 +45,14 @@ TOOL_RESULTS = 3
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
-RERANK_EXTRA = 20  # candidates fetched beyond `limit` so an exact title match can move to the top
 
 
 @dataclass(frozen=True)
 class Hit:
     title: str
-    snippet: str
+    text: str  # the opening of the entry's definition
+    exact: bool = False  # the query named this headword: the one hit worth showing
+    see: str | None = None  # the entry the headword points to, whose definition `text` is
 
 
 class SearchBackend(Protocol):
@@ -73,6 +78,26 @@ def query_terms(query: str) -> list[str]:
     terms = list(seen.values())
     content = [term for term in terms if term.lower() not in STOPWORDS]
     return (content or terms)[:MAX_TERMS]
+
+
+def _key(text: str) -> str:
+    """A headword's comparable form: lowercase words, hyphens and punctuation as spaces."""
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def headword_keys(query: str) -> list[str]:
+    """The headwords a query may name, most literal first: its words, its words without question words,
+    those run together ("foo bar" -> "foobar"), and their singulars."""
+    words = _key(query[:MAX_QUERY_CHARS]).split()
+    content = [w for w in words if w not in STOPWORDS] or words
+    keys: list[str] = []
+    for phrase in (words, content):
+        if not phrase or len(phrase) > 6:
+            continue
+        for key in (" ".join(phrase), "".join(phrase)):
+            keys += [key] + [key[: -len(end)] + add for end, add in (("ies", "y"), ("es", ""), ("s", ""))
+                             if key.endswith(end) and len(key) > len(end) + 1]
+    return list(dict.fromkeys(keys))
 
 
 def fts_match_expression(query: str) -> str | None:
@@ -137,6 +162,7 @@ class FtsSearch:
         self.corpus = Path(corpus)
         self._index_dir = index_dir
         self._db: sqlite3.Connection | None = None
+        self._entries: dict[str, tuple[str, str]] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -167,20 +193,44 @@ class FtsSearch:
         return self._db
 
     def search(self, query: str, limit: int = TOOL_RESULTS) -> list[Hit]:
+        exact = self.lookup(query)
         match = fts_match_expression(query)
         if match is None:
             return []
         limit = max(1, min(int(limit), 50))
         with self._lock:  # one shared read-only connection; queries take milliseconds
             rows = self._connection().execute(
-                "SELECT title, snippet(entries, 1, '[', ']', '…', 12) FROM entries WHERE entries MATCH ? "
-                "ORDER BY bm25(entries, 10.0, 1.0) LIMIT ?",
-                (match, limit + RERANK_EXTRA),
+                "SELECT title, text FROM entries WHERE entries MATCH ? ORDER BY bm25(entries, 10.0, 1.0) LIMIT ?",
+                (match, limit + 1),
             ).fetchall()
-        # An entry whose title is exactly the query ("hacker", "TCP/IP") comes first.
-        wanted = [term.lower() for term in query_terms(query)]
-        rows.sort(key=lambda row: [t.lower() for t in re.findall(r"\w+", row[0])] != wanted)
-        return [Hit(title, " ".join(snippet.split())) for title, snippet in rows[:limit]]
+        hits = [exact] if exact else []
+        hits += [Hit(title, opening(text)) for title, text in rows if not exact or title != exact.title]
+        return hits[:limit]
+
+    def lookup(self, query: str) -> Hit | None:
+        """The entry the query names (any case or spacing, a plural, or a pointer like kludge -> kluge)."""
+        headwords = self._headwords()
+        for key in headword_keys(query):
+            entry = headwords.get(key)
+            if entry is None:
+                continue
+            title, text = entry
+            target = redirect_target(text)
+            pointed = headwords.get(_key(target)) if target else None
+            if pointed is not None and pointed[0] != title:
+                return Hit(title, opening(pointed[1]), exact=True, see=pointed[0])
+            return Hit(title, opening(text), exact=True)
+        return None
+
+    def _headwords(self) -> dict[str, tuple[str, str]]:
+        """Every entry by its normalized headword (2,307 entries, read once)."""
+        with self._lock:
+            if self._entries is None:
+                entries: dict[str, tuple[str, str]] = {}
+                for title, text in self._connection().execute("SELECT title, text FROM entries"):
+                    entries.setdefault(_key(title), (title, text))
+                self._entries = entries
+            return self._entries
 
     def close(self) -> None:
         with self._lock:
@@ -209,27 +259,33 @@ def set_backend(backend: SearchBackend | None) -> None:
         _backend = backend
 
 
-def _shorten(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: max(0, limit - 1)].rstrip() + "…"
+def format_hit(hit: Hit, max_chars: int) -> str:
+    """`title: definition`, or `title (see other): definition` for a pointer, within max_chars."""
+    title = shorten(hit.title, 40) + (f" (see {shorten(hit.see, 40)})" if hit.see else "")
+    return f"{title}: {shorten(hit.text, max(10, max_chars - len(title) - 2))}"
 
 
 def format_hits(hits: list[Hit], max_chars: int = MAX_OUTPUT_CHARS) -> str:
-    """`title: snippet` lines, shortened so the whole text stays within max_chars."""
+    """One line per hit, only the first when it is the headword asked for, within max_chars in all."""
     if not hits:
         return ""
+    if hits[0].exact:
+        hits = hits[:1]
     budget = max_chars // len(hits) - 1  # minus the newline
-    lines = []
-    for hit in hits:
-        title = _shorten(hit.title, 40)
-        lines.append(f"{title}: {_shorten(hit.snippet, max(10, budget - len(title) - 2))}")
-    return "\n".join(lines)
+    return "\n".join(format_hit(hit, budget) for hit in hits)
+
+
+def first_entry(output: str) -> str:
+    """What an answer copies from the tool's output: its first line, the best entry and its definition. (A
+    small model copies a whole line far more reliably than a part of one.)"""
+    return output.split("\n", 1)[0]
 
 
 def search_tool(query: str) -> str:
     """The Search tool: top hits in the Jargon File as compact text."""
     if not isinstance(query, str) or not query.strip():
         raise ToolError("empty query: give a word or phrase to look up")
-    shown = _shorten(" ".join(query.split()), 60)
+    shown = shorten(" ".join(query.split()), 60)
     if not query_terms(query):
         raise ToolError(f'no words to search for in "{shown}"')
     hits = get_backend().search(query, TOOL_RESULTS)
