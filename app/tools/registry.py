@@ -23,11 +23,16 @@ class ToolError(Exception):
     """A rejection with a short, user-facing message (shown to the model as `error: <message>`)."""
 
 
+def _as_is(output: str) -> str:
+    return output
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
     description: str  # one line, goes into the system prompt
     function: Callable[[str], str]
+    answer: Callable[[str], str] = _as_is  # the answer a few-shot example gives from this tool's output
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,11 @@ class ToolResult:
 def default_tools() -> dict[str, Tool]:
     """All built-in tools by name, as a fresh dict on every call."""
     from app.tools.calculator import calculate
-    from app.tools.search import search_tool
+    from app.tools.search import first_entry, search_tool
 
     tools = [
         Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate),
-        Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool),
+        Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry),
     ]
     return {tool.name: tool for tool in tools}
 

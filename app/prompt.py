@@ -1,0 +1,60 @@
+"""The few-shot system prompt: a template whose tool list and example answers come from the tools themselves.
+
+A template may leave an example's tool output out: a line that ends right after `<call>`,
+
+    Q: What does grok mean?
+    <request><Search>grok<call>
+
+is filled in with what the tool really returns and an answer copied from it:
+
+    <request><Search>grok<call>grok: To understand. ...<response>
+    Result = To understand. ...<submit>
+
+so the examples teach the model to answer from the tool's output, and stay true when a tool changes. An
+example whose tool is not in the session's tool set is left out, so the model is never shown a tool it
+cannot call. `{tools}` becomes one line per tool. Custom prompts follow the same rules.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from app.config import ASSETS
+from app.protocol import CALL, REQUEST, RESPONSE, SUBMIT
+from app.tools.registry import Tool, find_tool, run_tool
+
+# `<request><Tool>query<call>` closing its line: the output is to be filled in.
+_OPEN_CALL = re.compile(rf"^{re.escape(REQUEST)}<([^<>\n]{{1,64}})>([^\n]*?){re.escape(CALL)}[ \t]*$", re.MULTILINE)
+
+
+class PromptError(ValueError):
+    """A template's example cannot be filled in (its tool rejected the query)."""
+
+
+def default_prompt_template() -> str:
+    return (ASSETS / "system_prompt.txt").read_text(encoding="utf-8")
+
+
+def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
+    """The prompt the model reads: examples filled in by their tools (or left out), `{tools}` listed."""
+    listing = "\n".join(f"- {t.name}: {t.description}" for t in tools.values())
+    text = "\n\n".join(filter(None, (fill_examples(block, tools) for block in template.split("\n\n"))))
+    text = text.replace("{tools}", listing)
+    return text.rstrip("\n") + "\n\n" if text.strip() else text  # the first question starts on its own line
+
+
+def fill_examples(block: str, tools: Mapping[str, Tool]) -> str | None:
+    """One paragraph of a template with its open tool calls answered; None when it calls a tool not in `tools`."""
+    pieces, last = [], 0
+    for call in _OPEN_CALL.finditer(block):
+        tool = find_tool(tools, call[1])
+        if tool is None:
+            return None
+        result = run_tool(tools, tool.name, call[2].strip())
+        if not result.ok:
+            raise PromptError(f"the prompt's example {call[0].strip()} failed: {result.text}")
+        pieces += [block[last:call.end()].rstrip(" \t"), result.text, RESPONSE,
+                   f"\nResult = {tool.answer(result.text)}{SUBMIT}"]
+        last = call.end()
+    return "".join(pieces) + block[last:]

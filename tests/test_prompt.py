@@ -1,0 +1,58 @@
+"""The few-shot prompt: examples filled in by the tools themselves, examples of absent tools left out."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app.engine import Engine, InputError
+from app.prompt import PromptError, default_prompt_template, fill_examples, render_prompt
+from app.protocol import CALL, RESPONSE, SUBMIT
+from app.tools.registry import Tool, default_tools, get_tools, run_tool
+
+EXAMPLE = re.compile(rf"Q: (.*)\n<request><(\w+)>(.*){CALL}(.*){RESPONSE}\nResult = (.*){SUBMIT}")
+
+
+def test_every_example_answer_is_the_tools_real_output():
+    # Regression: the look-up examples answered with text the tool never returned ("A clumsy but working fix
+    # for a nasty case."), which taught the model to invent definitions instead of copying them.
+    tools = default_tools()
+    rendered = render_prompt(default_prompt_template(), tools)
+    examples = EXAMPLE.findall(rendered)
+    assert {tool for _, tool, _, _, _ in examples} == {"Calculator", "Search"}
+    assert sum(tool == "Search" for _, tool, _, _, _ in examples) >= 3
+    for _, tool, query, output, answer in examples:
+        assert output == run_tool(tools, tool, query).text
+        assert answer == tools[tool].answer(output)
+        assert tool != "Search" or answer == output.split("\n")[0]  # a look-up copies the entry's line
+    assert not re.search(rf"{CALL}\s*$", rendered, re.MULTILINE)  # nothing left open
+    assert "{tools}" not in rendered and "- Search: " in rendered
+
+
+def test_examples_of_a_tool_not_in_the_session_are_left_out():
+    rendered = render_prompt(default_prompt_template(), get_tools(["Calculator"]))
+    assert "<Search>" not in rendered and "<Calculator>" in rendered
+    assert "Q: Hello, who are you?" in rendered  # examples without a tool stay
+    assert "\n\n\n" not in rendered
+
+
+def test_a_custom_template_is_filled_by_its_own_tools():
+    echo = Tool("Echo", "repeats in capitals", str.upper, answer=lambda out: out.lower() + "!")
+    template = "Tools: {tools}\n\nQ: Say hi\n<request><Echo>hi there<call>\n\nQ: Hello\nResult = Hi.<submit>\n"
+    rendered = render_prompt(template, {"Echo": echo})
+    assert rendered == ("Tools: - Echo: repeats in capitals\n\nQ: Say hi\n<request><Echo>hi there<call>"
+                        "HI THERE<response>\nResult = hi there!<submit>\n\nQ: Hello\nResult = Hi.<submit>\n\n")
+
+
+def test_a_written_out_example_is_left_as_it_is():
+    block = "Q: What is 2+2?\n<request><Calculator>2+2<call>4<response>\nResult = four<submit>"
+    assert fill_examples(block, default_tools()) == block
+
+
+def test_an_example_the_tool_rejects_is_a_clear_error(tiny_llama):
+    template = "{tools}\n\nQ: What is 1/0?\n<request><Calculator>1/0<call>\n"
+    with pytest.raises(PromptError, match=r"example <request><Calculator>1/0<call> failed: error: "):
+        render_prompt(template, default_tools())
+    with pytest.raises(InputError, match="failed"):  # a visitor's prompt: shown as a message, not a traceback
+        Engine(tiny_llama).new_session(template)
