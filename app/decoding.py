@@ -7,6 +7,7 @@ are searched only in the new text plus a tail as long as the longest stop string
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 
@@ -33,10 +34,15 @@ class Stop:
     limit: Limit | None = None
 
     @property
+    def shown_string(self) -> str | None:
+        """The stop string as a view prints it: a newline in it as `\\n` (`\\nQ:`)."""
+        return None if self.string is None else self.string.replace("\n", "\\n")
+
+    @property
     def label(self) -> str:
         """The stop reason in the words every view uses: `string match <call>`, `EOS`, `max_length (...)`."""
         if self.reason is StopReason.STRING_MATCH:
-            return f"string match {self.string}"
+            return f"string match {self.shown_string}"
         if self.reason is StopReason.EOS:
             return "EOS"
         if self.reason is StopReason.MAX_LENGTH:
@@ -92,6 +98,7 @@ class SegmentStops:
     def __init__(self, checker: StopChecker):
         self._checker = checker
         self._tail = ""
+        self.overshoot = 0  # after a string match: characters from the match's start to the end of the text seen
 
     def check(self, token_id: int, delta: str, generated: int, max_new_tokens: int,
               total: int, max_length: int) -> Stop | None:
@@ -111,14 +118,51 @@ class SegmentStops:
         if not delta:
             return None
         text = self._tail + delta
-        best, best_end = None, None
+        best, best_at = None, None
         for s in self._checker.stop_strings:
             at = text.find(s, max(0, len(self._tail) - len(s) + 1))
-            if at >= 0 and (best_end is None or at + len(s) < best_end):
-                best, best_end = s, at + len(s)
+            if at >= 0 and (best is None or at + len(s) < best_at + len(best)):
+                best, best_at = s, at
+        if best is not None:
+            self.overshoot = len(text) - best_at
         keep = self._checker._keep
         self._tail = text[-keep:] if keep else ""
         return best
+
+
+class Holdback:
+    """Streams a segment's text but withholds a tail that may be the start of a stop string that is not kept
+    (a trailing "\\n" may begin "\\nQ:"), so a view never shows text that the segment then drops."""
+
+    def __init__(self, cut_strings: frozenset[str] | tuple[str, ...]):
+        self._prefixes = sorted({s[:i] for s in cut_strings for i in range(1, len(s))}, key=len, reverse=True)
+        self.text = ""  # the segment's text so far
+        self._shown = 0
+
+    def push(self, delta: str) -> str:
+        """Add a token's text; return what can be shown now."""
+        self.text += delta
+        held = next((len(p) for p in self._prefixes if self.text.endswith(p)), 0)
+        return self._show(len(self.text) - held)
+
+    def close(self, delta: str, end: int | None = None) -> str:
+        """Add the last token's text; return the rest to show, up to character `end` (None: all of it)."""
+        self.text += delta
+        return self._show(len(self.text) if end is None else end)
+
+    def _show(self, end: int) -> str:
+        out = self.text[self._shown:end]
+        self._shown = max(self._shown, end)
+        return out
+
+
+def tokens_before(ends: list[int], at: int) -> int:
+    """How many tokens keep all text before character `at`, whole tokens only (`ends[i]`: where token i's text
+    ends): the tokens that end by `at`, plus the one that straddles it."""
+    keep = bisect.bisect_right(ends, at)
+    if keep < len(ends) and (ends[keep - 1] if keep else 0) < at:
+        keep += 1
+    return keep
 
 
 class PromptLookup:

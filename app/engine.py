@@ -7,21 +7,23 @@ prefilled once per process and forked into every new session.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Generator, Literal
 
 import torch
 
-from app.config import ASSETS
-from app.decoding import Detokenizer, Limit, PromptLookup, Stop, StopChecker, StopReason, next_token
+from app.decoding import (Detokenizer, Holdback, Limit, PromptLookup, Stop, StopChecker, StopReason, next_token,
+                           tokens_before)
 from app.kvcache import TokenCache
 from app.model import LoadedModel
-from app.protocol import CALL, RESPONSE, STOP_STRINGS, ToolCallError, encode, neutralize, parse_tool_call
+from app.prompt import PromptError, default_prompt_template, render_prompt
+from app.protocol import (CALL, CUT_STOPS, RESPONSE, STOP_STRINGS, ToolCallError, encode, neutralize,
+                          parse_tool_call)
 from app.tools.registry import Tool, default_tools, run_tool
 
 MAX_QUESTION_CHARS = 4000
@@ -248,17 +250,6 @@ def clean_question(question: str) -> str:
     return question
 
 
-def default_prompt_template() -> str:
-    return (ASSETS / "system_prompt.txt").read_text(encoding="utf-8")
-
-
-def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
-    """Fill `{tools}` in a prompt with one line per tool from the registry (a prompt without it is used as is)."""
-    listing = "\n".join(f"- {t.name}: {t.description}" for t in tools.values())
-    text = template.replace("{tools}", listing)
-    return text.rstrip("\n") + "\n\n" if text.strip() else text  # the first question starts on its own line
-
-
 class Engine:
     """Runs episodes for sessions of one model; thread-safe (one model lock, one lock per session)."""
 
@@ -284,7 +275,10 @@ class Engine:
     # ---- sessions -------------------------------------------------------------------------------------------
     def new_session(self, prompt: str | None = None, use_cache: bool = True, seed: int = 0) -> Session:
         """A session starting from the (rendered) prompt, forked from its shared prefilled cache."""
-        prompt = self.prompt if prompt is None else render_prompt(prompt, self.tools)
+        try:
+            prompt = self.prompt if prompt is None else render_prompt(prompt, self.tools)
+        except PromptError as error:  # a visitor's prompt whose example the tool rejects
+            raise InputError(str(error)) from None
         base = self._prompt_cache(prompt, prefill=use_cache)
         cache = base.fork() if use_cache else TokenCache(base.ids)
         return Session(cache, prompt_tokens=len(base), seed=seed)
@@ -335,7 +329,7 @@ class Engine:
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
-            for calls in count():
+            for calls in itertools.count():
                 segment = yield from self._model_segment(session, episode, settings, cancel, row)
                 if segment.stop.string != CALL or calls >= settings.max_turns:
                     break
@@ -356,6 +350,8 @@ class Engine:
             cache.drop_kv()
         start, began = len(cache), time.perf_counter()
         stops, detok = self.stops.start(), Detokenizer(tokenizer)
+        pieces: list[str] = []  # each generated token's text
+        stream = Holdback(CUT_STOPS)
         lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
         fail = None
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
@@ -389,12 +385,18 @@ class Engine:
                     deltas = []
                     for i, token in enumerate(tokens):  # each new token is checked in order
                         generated += 1
-                        deltas.append(detok.push(token))
-                        stop = stops.check(token, deltas[-1], generated, settings.max_new_tokens, base + i + 1,
+                        pieces.append(detok.push(token))
+                        stop = stops.check(token, pieces[-1], generated, settings.max_new_tokens, base + i + 1,
                                            settings.max_length)
-                        if stop is not None:
-                            cache.truncate(base + i + 1)  # nothing after the stop is kept
-                            break
+                        if stop is None:
+                            deltas.append(stream.push(pieces[-1]))
+                            continue
+                        cache.truncate(base + i + 1)  # nothing after the stop is kept
+                        end = None
+                        if stop.string in CUT_STOPS:  # nor the stop string itself
+                            end = self._cut(cache, start, pieces, stops.overshoot)
+                        deltas.append(stream.close(pieces[-1], end))
+                        break
                     fail = None
                     if lookup:
                         lookup.sync()
@@ -417,6 +419,16 @@ class Engine:
             episode.segments.append(segment)
         yield SegmentFinished(row, segment)
         return segment
+
+    @staticmethod
+    def _cut(cache: TokenCache, start: int, pieces: list[str], overshoot: int) -> int:
+        """Drop a cut stop string and the blank space before it from the segment's tokens (whole tokens: one
+        that also holds answer text stays); return how many characters of the segment's text are kept.
+        `pieces`: each generated token's text, `overshoot`: characters from the stop string's start to the end."""
+        text = "".join(pieces)
+        kept = len(text[: len(text) - overshoot].rstrip())
+        cache.truncate(start + tokens_before(list(itertools.accumulate(map(len, pieces))), kept))
+        return kept
 
     @staticmethod
     def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:

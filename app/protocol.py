@@ -10,7 +10,11 @@ import re
 from dataclasses import dataclass
 
 REQUEST, CALL, RESPONSE, SUBMIT = "<request>", "<call>", "<response>", "<submit>"
-STOP_STRINGS = (CALL, SUBMIT)
+NEXT_QUESTION = "\nQ:"  # the model writing the few-shot format's next example: its answer is over
+STOP_STRINGS = (CALL, SUBMIT, NEXT_QUESTION)
+# Stop strings that are not part of the answer: they and the blank space before them are not kept. (The
+# markers are: the tool-call parser and the next segment read them.)
+CUT_STOPS = frozenset({NEXT_QUESTION})
 
 # Markers in any spacing or case: `< call >`, `</submit>`, `<CALL>`.
 _MARKER = re.compile(r"<\s*/?\s*(request|call|response|submit)\s*>", re.IGNORECASE)

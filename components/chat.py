@@ -38,7 +38,7 @@ def stop_text(stop: Stop | None) -> str:
 def stop_markdown(stop: Stop | None) -> str:
     """The stop reason for a message footer; stop strings in code formatting so they render visibly."""
     if stop is not None and stop.reason is StopReason.STRING_MATCH and stop.string:
-        return f"string match {code(stop.string)}"
+        return f"string match {code(stop.shown_string)}"
     return escape_text(stop_text(stop))
 
 

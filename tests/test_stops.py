@@ -8,7 +8,7 @@ import torch
 
 import pytest
 
-from app.decoding import Limit, StopReason
+from app.decoding import Holdback, Limit, StopReason, tokens_before
 from app.engine import Engine, EpisodeFinished, InputError, Settings, TextDelta
 from app.protocol import encode
 from tests.conftest import forced, plan_text, prime
@@ -20,6 +20,9 @@ def run(loaded, question="What is 2+3?", **settings):
     engine = Engine(loaded, prompt=PROMPT)
     session = prime(engine)
     episode = engine.ask(session, question, Settings(**settings))
+    if session.cache.cached == len(session.cache):  # every kept token was fed (a cut stop string dropped the rest)
+        session.cache.truncate(len(session.cache) - 1)  # (as the next forward pass does) to check the rest
+        session.cache.extend(episode.token_ids[-1:])
     session.cache.check()
     return engine, session, episode
 
@@ -51,6 +54,52 @@ def test_string_ending_inside_a_token_keeps_that_token_and_nothing_after(tiny_ll
     assert session.cache.ids[segment.end - 1] == inside
     assert segment.text.endswith("<call><")
     assert "junk" not in segment.text
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 8])
+def test_next_question_ends_the_answer_and_is_not_kept(tiny_llama, tokenizer, draft_tokens):
+    # Regression: the model finished its answer, then wrote the few-shot format's next example
+    # ("\n\nQ: What is a kludge?\n<request><Search>kludge<call>") and went on calling tools until max_turns.
+    answer = "Result = 5"
+    plan = plan_text(tokenizer, (0, answer + "\n\nQ: What is a kludge?\n<request><Search>kludge<call>"))
+    engine, session, episode = run(forced(tiny_llama, plan), max_new_tokens=60, draft_tokens=draft_tokens)
+    (segment,) = episode.segments
+    assert (segment.stop.reason, segment.stop.string, segment.stop.label) == (
+        StopReason.STRING_MATCH, "\nQ:", "string match \\nQ:")
+    assert segment.text == answer == episode.answer
+    assert session.cache.ids[segment.start:segment.end] == encode(tokenizer, answer)  # no "\n\nQ:" in the ids
+    assert segment.end == len(session.cache) and segment.generated_tokens > segment.end - segment.start
+    assert episode.to_json()["segments"][0]["stop_string"] == "\nQ:"
+    nxt = engine.ask(session, "And 1+1?", Settings(max_new_tokens=3))  # the session goes on from the answer
+    assert nxt.segments[0].cached_tokens + nxt.segments[0].prefill_tokens == nxt.segments[0].start
+
+
+def test_next_question_streams_no_text_that_is_dropped(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "Result = 5\nQ: next"))
+    engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
+    session = prime(engine)
+    streamed = "".join(e.text for e in engine.turn(session, "What is 2+3?", Settings(max_new_tokens=30))
+                       if isinstance(e, TextDelta))
+    assert streamed.rstrip() == "Result = 5"
+
+
+@pytest.mark.parametrize("ends, at, keep", [
+    ([5, 6, 9], 5, 1),  # the cut starts where token 0 ends: tokens 1 and 2 go
+    ([5, 7, 9], 6, 2),  # token 1 holds answer text and the cut's first character: it stays whole
+    ([5, 7, 9], 0, 0),
+    ([5, 5, 9], 5, 2),  # a token whose text was held back (an incomplete character) ends where its neighbour does
+    ([5, 7, 9], 9, 3),
+])
+def test_tokens_before_a_cut_keep_every_character_before_it(ends, at, keep):
+    assert tokens_before(ends, at) == keep
+
+
+def test_holdback_withholds_what_may_start_a_cut_string():
+    stream = Holdback(frozenset({"\nQ:"}))
+    assert [stream.push(d) for d in ["Result = 5", "\n", "\n", "Q"]] == ["Result = 5", "", "\n", ""]
+    assert stream.close(":", end=10) == ""  # the kept text ends at "5": nothing of the cut was shown
+    other = Holdback(frozenset({"\nQ:"}))
+    assert other.push("a\n") == "a" and other.push("b") == "\nb" and other.close("", None) == ""
 
 
 def test_eos(tiny_llama, tokenizer):

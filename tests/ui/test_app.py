@@ -53,9 +53,9 @@ def tool_parts(page: Page) -> list[str]:
     return [m.inner_text() for m in bot_messages(page).all() if m.locator(".thought-group").count() > 0]
 
 
-STOP = re.compile(r"stop: (string match <call>|string match <submit>|EOS|max_length \((max_new_tokens|"
-                  r"session max_length)\)|stopped by user) · prefill \d+ new tokens · \d+ reused from cache · "
-                  r"\d+ generated · \d+ ms")
+STOP = re.compile(r"stop: (string match <call>|string match <submit>|string match \\nQ:|EOS|"
+                  r"max_length \((max_new_tokens|session max_length)\)|stopped by user) · "
+                  r"prefill \d+ new tokens · \d+ reused from cache · \d+ generated · \d+ ms")
 
 
 def test_calculator_question_shows_tool_call_result_and_stop_reasons(open_page):
@@ -79,13 +79,18 @@ def test_calculator_question_shows_tool_call_result_and_stop_reasons(open_page):
         shutil.copyfile(shot, ROOT / "assets" / "screenshot.png")
 
 
-def test_search_question(open_page):
+def test_search_question_ends_cleanly_with_the_definition(open_page):
+    # Regression: the page's own example wrote a made-up next example ("Q: What is a kludge?") and called
+    # Search again until max_turns, answering with text that was not in the tool's output.
     page = open_page()
-    set_number(page, "max-new-tokens", 24)
     send(page, "What does kludge mean?")
     tools = tool_parts(page)
-    assert tools and "Tool Search: kludge" in tools[0] and "kludge" in tools[0].split("\n", 1)[1]
-    assert all(STOP.search(text) for text in model_parts(page))
+    assert len(tools) == 1 and "Tool Search: kludge" in tools[0]
+    assert "kludge (see kluge): A Rube Goldberg" in tools[0]
+    models = model_parts(page)
+    assert len(models) == 2 and all(STOP.search(text) for text in models)
+    assert "string match <call>" in models[0] and "string match <submit>" in models[1]
+    assert "Result = kludge" in models[1] and "A Rube Goldberg" in models[1] and "Q:" not in models[1]
     page.screenshot(path=str(OUT / "search.png"), full_page=True)
 
 
