@@ -52,6 +52,8 @@ _REPLACEMENTS = {
 # alone, so `log(8,2)` and `log(100, 10)` keep their argument commas; `log(100,100)` (one comma,
 # directly inside log) is read as log(x, base) too.
 _THOUSANDS = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)")
+# "25% of 640", as the model writes a question's percentage; a bare % stays Python's modulo.
+_PERCENT_OF = re.compile(r"(\d+(?:\.\d+)?)\s*%\s*of\b\s*", re.IGNORECASE)
 
 _OPERATOR_NAMES = {
     ast.BitXor: "^", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>",
@@ -326,7 +328,7 @@ def _prepare(expression: str) -> str:
         text = text.replace(old, new)
     text = re.sub(r"[\s=]+$", "", text)  # "12*3 =" -> "12*3"
     text = _THOUSANDS.sub(_merge_thousands, text)
-    return text
+    return _PERCENT_OF.sub(r"(\1/100)*", text)
 
 
 def _parse(text: str) -> ast.Expression:
