@@ -1,0 +1,183 @@
+"""Answer quality on the default prompt: look-ups, arithmetic and chit-chat, with the page's settings.
+
+    python3 benchmarks/answer_quality.py               # the table (about 3-5 min on 2 cores)
+    python3 benchmarks/answer_quality.py --episodes    # ... and every episode as the model wrote it
+    python3 benchmarks/answer_quality.py --set dev     # the tuning set instead of the reported one
+
+Each question runs greedy in a fresh session (the page's first turn). The reported ("test") look-ups are
+Jargon File headwords that appear nowhere in the system prompt; their key phrases were written from each
+entry's opening sense before any run. The "dev" set (the words of the issue that reported the problem) is the
+one prompt changes were tried on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.decoding import StopReason  # noqa: E402
+from app.engine import Engine, Episode, Settings  # noqa: E402
+from app.model import load_model  # noqa: E402
+from app.protocol import SUBMIT  # noqa: E402
+from app.rewards import exact_match  # noqa: E402
+
+# The page's defaults (components/handlers.py DEFAULTS), without importing Gradio.
+PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
+
+# (question, key phrases: an answer holding any of them, case-insensitively, says what the entry says)
+LOOKUPS = {
+    "test": [
+        ("Define heisenbug.", ["disappears", "alters its behavior"]),
+        ("What is a tarball?", ["archive"]),
+        ("What does vaporware mean?", ["announced", "release"]),
+        ("What is spaghetti code?", ["tangled", "complex"]),
+        ("What does lurker mean?", ["silent majority", "read", "posts"]),
+        ("What is a guru?", ["expert"]),
+        ("What does deadlock mean?", ["waiting", "unable to proceed"]),
+        ("What is bloatware?", ["minimal functionality", "disproportionate", "diskspace", "memory"]),
+        ("Explain the term sneakernet.", ["carrying", "media", "physically"]),
+        ("What is a bug?", ["unwanted", "unintended", "malfunction"]),
+        ("What does tweak mean?", ["change slightly", "slightly"]),
+        ("What is a newbie?", ["neophyte"]),
+        ("What is a sysop?", ["operator", "bulletin"]),
+        ("What does nuke mean?", ["delete"]),
+        ("What is a crock?", ["awkward", "ought to be made cleaner"]),
+        ("What does glitch mean?", ["interruption"]),
+        ("What is a geek?", ["concentration rather than conformity", "skill"]),
+        ("What is the meaning of bikeshedding?", ["minor", "marginal", "disputes"]),
+        ("What is a core dump?", ["contents of core", "aborted"]),
+        ("What does phreaking mean?", ["phone"]),
+        ("What is a patch?", ["temporary addition", "quick-and-dirty", "remedy"]),
+        ("What does elegant mean?", ["simplicity", "grace"]),
+        ("What is a bignum?", ["multiple-precision", "large integers", "very large"]),
+        ("What does lossage mean?", ["bug or malfunction", "result of a bug"]),
+        ("What is a cookie in hacker slang?", ["handle", "transaction id", "token of agreement"]),
+    ],
+    "dev": [
+        ("What does kludge mean?", ["rube goldberg", "crock that works", "kluge"]),
+        ("What is cruft?", ["unpleasant substance", "shoddy"]),
+        ("What is a hacker?", ["enjoys exploring", "programmable systems"]),
+        ("What does daemon mean?", ["not invoked explicitly", "dormant"]),
+        ("What does frob mean?", ["protruding arm", "small thing"]),
+        ("What is a hack?", ["quick job"]),
+        ("What does bogus mean?", ["non-functional", "useless", "false"]),
+        ("What is a magic cookie?", ["passed between routines", "capability ticket", "opaque identifier"]),
+        ("What does hairy mean?", ["complicated"]),
+        ("What does munge mean?", ["imperfectly transform"]),
+        ("What is yak shaving?", ["pointless activity", "necessary"]),
+        ("What does foo mean?", ["disgust", "sample name"]),
+    ],
+}
+
+ARITHMETIC = [
+    ("What is 57 * 38?", "2166"), ("What is 1,024 + 2,048?", "3072"), ("What is 900 / 36?", "25"),
+    ("How much is 25% of 640?", "160"), ("What is 3 to the power of 7?", "2187"),
+    ("What is the square root of 729?", "27"), ("What is 7,342 - 2,918?", "4424"), ("What is 12 * 12 * 12?", "1728"),
+    ("What is (15 + 27) * 3?", "126"), ("What is 123 + 456 + 789?", "1368"), ("What is 1000 - 1?", "999"),
+    ("What is 81 / 9?", "9"), ("What is 65 * 43?", "2795"), ("What is 5000 / 125?", "40"),
+    ("What is 2 to the power of 16?", "65536"), ("What is 999 * 3?", "2997"), ("What is 45% of 200?", "90"),
+    ("What is 17 + 38?", "55"), ("What is 4,096 / 64?", "64"), ("What is 73 - 29?", "44"),
+    ("What is the square root of 2025?", "45"), ("What is 14 * 15?", "210"), ("What is 360 / 8?", "45"),
+    ("What is 2.5 * 4?", "10"),
+]
+
+CHITCHAT = ["Hello, who are you?", "Hello! What can you do?", "Hi!", "Good morning!", "Thanks, that helps.",
+            "How are you today?", "What is your name?", "Tell me about yourself."]
+
+
+@dataclass
+class Tally:
+    rows: list[dict] = field(default_factory=list)
+
+    def rate(self, key: str) -> str:
+        hits = sum(1 for row in self.rows if row[key])
+        return f"{hits}/{len(self.rows)} ({100 * hits / len(self.rows):.0f} %)"
+
+
+def tool_calls(episode: Episode) -> list[str]:
+    return [s.tool or "(malformed)" for s in episode.segments if s.kind == "tool"]
+
+
+def ended_by(episode: Episode, *strings: str) -> bool:
+    stop = episode.stop
+    return stop is not None and stop.reason is StopReason.STRING_MATCH and stop.string in strings
+
+
+def over_limits(episode: Episode, settings: Settings) -> bool:
+    """The answer ran into max_turns or max_length instead of ending."""
+    length = any(s.stop and s.stop.reason is StopReason.MAX_LENGTH for s in episode.model_segments)
+    return length or len(tool_calls(episode)) >= settings.max_turns
+
+
+def lookup_row(episode: Episode, keys: list[str], settings: Settings) -> dict:
+    calls = tool_calls(episode)
+    return {"clean": ended_by(episode, SUBMIT) and calls == ["Search"],
+            "key": any(k.lower() in episode.answer.lower() for k in keys),
+            "limits": over_limits(episode, settings)}
+
+
+def arithmetic_row(episode: Episode, expected: str, settings: Settings) -> dict:
+    return {"calc": "Calculator" in tool_calls(episode), "correct": exact_match(episode.answer, expected) == 1.0,
+            "limits": over_limits(episode, settings)}
+
+
+def chitchat_row(episode: Episode, settings: Settings) -> dict:
+    ended = ended_by(episode, SUBMIT) or (episode.stop is not None and episode.stop.reason is StopReason.EOS)
+    return {"no_tool": not tool_calls(episode), "ended": ended, "limits": over_limits(episode, settings)}
+
+
+def transcript(episode: Episode) -> str:
+    parts = [f"Q: {episode.question}"]
+    for s in episode.segments:
+        label = s.stop.label if s.stop else f"tool {s.tool}"
+        parts.append(f"  [{s.kind}, {label}] {s.text!r}")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--set", choices=sorted(LOOKUPS), default="test", help="which look-up questions")
+    parser.add_argument("--episodes", action="store_true", help="print every episode")
+    parser.add_argument("--prompt", type=Path, help="a prompt template file instead of the default")
+    args = parser.parse_args()
+
+    engine = Engine(load_model(), prompt=args.prompt.read_text(encoding="utf-8") if args.prompt else None)
+    settings = PAGE
+    print(f"system prompt: {len(engine.new_session().cache)} tokens; settings: {settings}")
+    tallies = {"look-up": Tally(), "arithmetic": Tally(), "chit-chat": Tally()}
+    seconds: list[float] = []
+    began = time.perf_counter()
+    work = ([("look-up", q, lambda e, k=k: lookup_row(e, k, settings)) for q, k in LOOKUPS[args.set]]
+            + [("arithmetic", q, lambda e, x=x: arithmetic_row(e, x, settings)) for q, x in ARITHMETIC]
+            + [("chit-chat", q, lambda e: chitchat_row(e, settings)) for q in CHITCHAT])
+    for kind, question, score in work:
+        episode = engine.ask(engine.new_session(), question, settings)
+        row = score(episode)
+        tallies[kind].rows.append(row)
+        seconds.append(episode.ms / 1000)
+        if args.episodes:
+            print(f"\n{kind} {row}\n{transcript(episode)}")
+
+    print(f"\n{len(work)} questions in {time.perf_counter() - began:.0f} s "
+          f"(median {statistics.median(seconds):.1f} s, max {max(seconds):.1f} s an episode)\n")
+    look, calc, chat = tallies["look-up"], tallies["arithmetic"], tallies["chit-chat"]
+    print(f"| set | questions | measure | value |\n|---|---|---|---|")
+    print(f"| look-up ({args.set}) | {len(look.rows)} | `<submit>` after exactly one search | {look.rate('clean')} |")
+    print(f"| | | answer holds a key phrase of the definition | {look.rate('key')} |")
+    print(f"| | | reached max_turns or max_length | {look.rate('limits')} |")
+    print(f"| arithmetic | {len(calc.rows)} | calculator called | {calc.rate('calc')} |")
+    print(f"| | | correct | {calc.rate('correct')} |")
+    print(f"| chit-chat | {len(chat.rows)} | no tool call | {chat.rate('no_tool')} |")
+    print(f"| | | ended with `<submit>` or EOS | {chat.rate('ended')} |")
+    print(f"| | | reached max_turns or max_length | {chat.rate('limits')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

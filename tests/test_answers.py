@@ -1,0 +1,39 @@
+"""Answers a demo is judged by, on the real bundled model with the default prompt and the page's settings.
+
+Regressions from trying the app as a new user would: look-ups answered with invented text and went on writing
+the next few-shot example ("Q: What is a kludge?") until max_turns; greetings called the calculator.
+(The full measurement, with a reported question set, is benchmarks/answer_quality.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from app.decoding import StopReason
+from app.engine import Engine, Settings
+from app.protocol import SUBMIT
+
+PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine(real) -> Engine:
+    return Engine(real)
+
+
+@pytest.mark.parametrize("question, key", [
+    ("What does daemon mean?", "dormant"),
+    ("What does hairy mean?", "complicated"),  # a short definition: once ended by a new line and a new "Q:"
+])
+def test_a_look_up_answers_from_the_definition_after_one_search(engine, question, key):
+    episode = engine.ask(engine.new_session(), question, PAGE)
+    assert [s.tool for s in episode.segments if s.kind == "tool"] == ["Search"]
+    assert episode.stop.reason is StopReason.STRING_MATCH and episode.stop.string == SUBMIT, episode.stop
+    assert key in episode.answer and "Q:" not in episode.answer
+
+
+@pytest.mark.parametrize("question", ["Hello! What can you do?", "Good morning!"])
+def test_a_greeting_needs_no_tool(engine, question):
+    episode = engine.ask(engine.new_session(), question, PAGE)
+    assert [s.kind for s in episode.segments] == ["model"]
+    assert episode.stop.reason is StopReason.EOS or episode.stop.string == SUBMIT
