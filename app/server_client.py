@@ -221,5 +221,11 @@ class EventStream:
                                            f"object: {data[:80]!r}")
                     self._queue.put(event)
             self._queue.put(_END)
-        except BackendError as error:
-            self._queue.put(_END if self._closed.is_set() else error)
+        except Exception as error:  # the thread's boundary: every failure reaches the consumer, which raises it
+            if self._closed.is_set():  # we closed it (Stop): whatever the dying connection raised means nothing
+                self._queue.put(_END)
+            elif isinstance(error, BackendError):
+                self._queue.put(error)
+            else:  # e.g. http.client failing to parse a chunk cut off by a crashed server (ValueError)
+                self._queue.put(BackendError(f"model server {self._server.url} broke off the completion stream "
+                                             f"({type(error).__name__}: {error})"))
