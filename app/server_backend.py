@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -76,6 +77,9 @@ class LlamaCpp:
     def tokenize(self, server: ModelServer, text: str) -> list:
         return _field(server.post_json("/tokenize", {"content": text, "add_special": False}), "tokens", list, server)
 
+    def warm(self, server: ModelServer, ids: list[int]) -> None:
+        server.post_json(self.path, {"prompt": ids, "n_predict": 0, "cache_prompt": True})  # evaluate, generate none
+
     def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int) -> dict:
         return {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(STOP_STRINGS),
                 "cache_prompt": settings.use_cache, "return_tokens": True, "timings_per_token": True,
@@ -127,6 +131,9 @@ class Vllm:
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
         return _field(server.post_json("/tokenize", body), "tokens", list, server)
 
+    def warm(self, server: ModelServer, ids: list[int]) -> None:
+        server.post_json(self.path, {"model": self.model, "prompt": ids, "max_tokens": 1})  # vLLM needs >= 1
+
     def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "stop": list(STOP_STRINGS),
@@ -151,10 +158,10 @@ class Vllm:
         if not choices:
             return piece
         choice = choices[0]
-        if not isinstance(choice, dict) or "token_ids" not in choice:
+        if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
             raise BackendError(f"model server {server.url} returned no token_ids (vLLM needs `return_token_ids`, "
                                "v0.10.2 or later)")
-        piece.tokens = choice["token_ids"] or []
+        piece.tokens = choice["token_ids"]
         piece.text = choice.get("text") or ""
         finish = choice.get("finish_reason")
         if finish == "length":
@@ -173,9 +180,13 @@ class ServerBackend:
     """Runs segments on a model server; only the tokenizer is loaded here. Thread-safe: the lock guards the
     tokenizer only, so sessions generate on the server at the same time."""
 
+    WARMED_PROMPTS = 16  # prompts remembered as sent (a bound: visitors can write their own)
+
     def __init__(self, server: ModelServer, dialect: LlamaCpp | Vllm, tokenizer, context_limit: int):
         self.server, self.dialect, self.tokenizer = server, dialect, tokenizer
         self.lock = threading.RLock()
+        self._warmed: OrderedDict[int, None] = OrderedDict()  # hashes of the prompts prefill() sent
+        self._warm_lock = threading.Lock()
         self.context_limit = context_limit
         self.special_token_texts = special_token_texts(tokenizer)
         self.name = f"{dialect.kind} server {server.url}"
@@ -208,7 +219,18 @@ class ServerBackend:
         return cls(server, dialect, tokenizer, context_limit)
 
     def prefill(self, cache: TokenCache) -> None:
-        """Nothing to do here: the server's prefix cache keeps the prompt after the first request."""
+        """Send a shared system prompt once (nothing generated), so the server's prefix cache holds it before the
+        first visitor, as the in-process backend prefills it once. llama.cpp keeps a prefix per slot: sessions
+        that land on another slot prefill it there once (see the README's measurements)."""
+        key = hash(tuple(cache.ids))
+        with self._warm_lock:
+            if key in self._warmed:
+                self._warmed.move_to_end(key)
+                return
+            self.dialect.warm(self.server, cache.ids)
+            self._warmed[key] = None
+            while len(self._warmed) > self.WARMED_PROMPTS:
+                self._warmed.popitem(last=False)
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:

@@ -122,8 +122,9 @@ def test_second_turn_reuses_the_servers_prefix_cache_and_cache_off_reuses_nothin
     engine.ask(session, "What is 12 * 9?", SETTINGS)
     before = len(session.cache)
     second = engine.ask(session, "What is 7 + 5?", SETTINGS).segments[0]
-    assert second.cached_tokens >= before - 2  # all of turn 1 (the server recomputes at most its last token)
-    assert second.prefill_tokens == second.start - second.cached_tokens and second.prefill_tokens < 30
+    # all of turn 1 comes from the server's cache, but for its last token (llama.cpp) or last partial block (vLLM)
+    assert second.cached_tokens >= before - 16
+    assert second.prefill_tokens == second.start - second.cached_tokens and second.prefill_tokens < 40
     off = engine.ask(session, "What is 100 - 37?", Settings(max_new_tokens=48, max_length=4096, use_cache=False))
     first_off = off.segments[0]
     assert first_off.cached_tokens == 0 and first_off.prefill_tokens == first_off.start  # cache_prompt: false
