@@ -1,8 +1,9 @@
 """The segment engine: one chat turn is an episode of model segments with tool calls between them.
 
-UI-agnostic: it yields typed events (text deltas, segment and episode records) that a CLI, an API or a page
-renders. Each session keeps its token ids and KV cache (app.kvcache.TokenCache); the system prompt is
-prefilled once per process and forked into every new session.
+UI-agnostic: it yields typed events (text deltas, segment and episode records, app.episode) that a CLI, an API
+or a page renders. Each session keeps its token ids and KV cache (app.kvcache.TokenCache); the system prompt is
+prefilled once per process and forked into every new session. A backend (app.backend) runs each model segment:
+the model in this process, or a model server; the engine keeps the turn loop, the tools and the events.
 """
 
 from __future__ import annotations

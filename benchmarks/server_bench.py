@@ -2,8 +2,9 @@
 
     python3 benchmarks/server_bench.py [--runs 3] [--chats 4]
 
-1. Decode speed: one long model segment (greedy, 64 new tokens, no tool call) per run on each backend;
-   ms/token = time from the segment's first text to its end / (generated tokens - 1), median over the runs.
+1. Decode speed: one long model segment (greedy, 64 new tokens, no tool call) per run on each backend, in a
+   worker thread as in the app; ms/token = time from the segment's first text to its end / (generated tokens - 1),
+   median over the runs.
 2. Concurrent chats: `--chats` sessions started at once (one thread each), each asking two calculator questions;
    wall time for all, mean turn latency, and how many answers used the tool as expected. Two rounds of new
    sessions: llama.cpp keeps a cached prefix per slot, so in the first round each slot the system prompt has not
@@ -42,6 +43,18 @@ CHAT_QUESTIONS = [("What is 41 * 23?", "What is 12 * 9?"), ("What is 7 + 5?", "W
                   ("What is 58 * 17?", "What is 96 / 8?"), ("What is 1234 + 4321?", "What is 77 - 39?"),
                   ("What is 15 * 15?", "What is 81 / 9?"), ("What is 33 + 44?", "What is 9 * 9?"),
                   ("What is 250 - 125?", "What is 64 / 4?"), ("What is 13 * 13?", "What is 500 + 250?")]
+
+
+def in_thread(fn, *args):
+    """fn(*args) in a worker thread, as the app runs turns (Gradio's workers). On this machine, under load, the
+    in-process model decoded ~3× slower in the main thread than in a worker (229 vs 72 ms/token, one sitting)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)))
+    thread.start()
+    thread.join(timeout=900)
+    if not result:
+        raise RuntimeError(f"{fn.__name__} failed or did not finish in its thread (see the traceback above)")
+    return result[0]
 
 
 def decode_ms_per_token(engine: Engine) -> tuple[float, int]:
@@ -93,8 +106,8 @@ def concurrent_chats(engine: Engine, chats: int) -> dict:
 def measure(name: str, backend: Backend, runs: int, chats: int) -> dict:
     engine = Engine(backend)
     engine.new_session()  # the shared prompt: prefilled in process, or sent once to warm the server's cache
-    decode_engine_warm = decode_ms_per_token(engine)  # warm-up (first request, allocations), not counted
-    samples = [decode_ms_per_token(engine) for _ in range(runs)]
+    decode_engine_warm = in_thread(decode_ms_per_token, engine)  # warm-up (first request, allocations): not counted
+    samples = [in_thread(decode_ms_per_token, engine) for _ in range(runs)]
     print(f"{name}: warm-up {decode_engine_warm[0]:.1f} ms/token; runs "
           + ", ".join(f"{ms:.1f} ms ({n} tokens)" for ms, n in samples), flush=True)
     result = {"decode_ms": statistics.median(ms for ms, _ in samples),
