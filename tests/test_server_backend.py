@@ -22,7 +22,6 @@ from app.backend import BackendError
 from app.decoding import Limit, StopReason
 from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
 from app.llama_server import LlamaServer, free_port
-from app.model import load_tokenizer
 from app.protocol import CALL, SUBMIT
 from app.server_backend import ServerBackend
 from app.server_client import ModelServer
@@ -34,11 +33,6 @@ llama_only = pytest.mark.skipif(EXTERNAL is not None, reason="starts, kills or i
 SETTINGS = Settings(max_new_tokens=48, max_length=4096)
 QUESTIONS = {"What is 41 * 23?": ("41", "23", "943"), "What is 12 * 9?": ("12", "9", "108"),
              "What is 7 + 5?": ("7", "5", "12"), "What is 100 - 37?": ("100", "37", "63")}
-
-
-@pytest.fixture(scope="session")
-def server_tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,8 @@ purpose (the working path is tested against llama.cpp's server in test_server_ba
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
 import time
 
 import pytest
@@ -15,36 +13,9 @@ import pytest
 from app.backend import BackendError
 from app.decoding import StopReason
 from app.engine import Engine, Settings
-from app.model import load_tokenizer
 from app.server_backend import LlamaCpp, ServerBackend
 from app.server_client import ModelServer, error_message
-
-
-@pytest.fixture(scope="module")
-def server_tokenizer():
-    return load_tokenizer()
-
-
-def serve(body: bytes, status: int = 200, stall_s: float = 0.0):
-    """A loopback HTTP server answering every POST with `body` (then stalling `stall_s` before closing)."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(status)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
-            time.sleep(stall_s)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+from tests.http_peers import serve
 
 
 def run_turn(url: str, tokenizer, timeout_s: float = 5.0):
