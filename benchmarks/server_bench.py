@@ -74,6 +74,7 @@ def concurrent_chats(engine: Engine, chats: int) -> dict:
     """`chats` sessions at once, two questions each: wall time, mean turn latency, tool calls as expected."""
     latencies: list[float] = []
     called: list[bool] = []
+    prefilled: list[int | None] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
@@ -85,6 +86,7 @@ def concurrent_chats(engine: Engine, chats: int) -> dict:
                 episode = engine.ask(session, question, CHAT)
                 with lock:
                     latencies.append(time.perf_counter() - began)
+                    prefilled.append(episode.prefill_tokens)
                     called.append(episode.segments[0].stop.string == CALL and episode.segments[1].tool == "Calculator")
         except BaseException as error:  # reported after the join: a failed chat must not vanish in its thread
             with lock:
@@ -100,7 +102,8 @@ def concurrent_chats(engine: Engine, chats: int) -> dict:
     if errors or any(t.is_alive() for t in threads):
         raise RuntimeError(f"concurrent chats failed: {errors or 'a chat did not finish in 900 s'}")
     return {"wall_s": wall, "turns": len(latencies), "mean_turn_s": statistics.mean(latencies),
-            "max_turn_s": max(latencies), "tool_calls_ok": sum(called)}
+            "max_turn_s": max(latencies), "tool_calls_ok": sum(called), "turn_s": [round(t, 1) for t in latencies],
+            "prefilled": prefilled, "load": round(os.getloadavg()[0], 1)}
 
 
 def measure(name: str, backend: Backend, runs: int, chats: int) -> dict:
