@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
+from app.backend import BackendError
 from components.handlers import ChatService
 from components.layout import build_demo, launch_kwargs
 
@@ -17,7 +18,10 @@ def main() -> None:
     service = ChatService()
     service.store.start_sweeper()  # idle sessions go even when no visitor comes
     if os.environ.get("WARM_UP", "1") != "0":
-        service.warm_up()  # load the model and prefill the system prompt before the first visitor
+        try:
+            service.warm_up()  # load the model and prefill the system prompt before the first visitor
+        except BackendError as error:  # a model server that is down: the page says so and each turn asks again
+            logging.getLogger(__name__).error("%s", error)
     demo = build_demo(service)
     demo.launch(**launch_kwargs())
 

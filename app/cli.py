@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _tool(args) if args.command == "tool" else _ask(args)
-    except (ValueError, OSError) as error:  # InputError is a ValueError
+    except (ValueError, OSError) as error:  # InputError and BackendError (a model server's failure) are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 2
 
@@ -65,8 +65,8 @@ def _tool(args) -> int:
 
 
 def _ask(args) -> int:
+    from app.backend import load_backend
     from app.engine import Engine
-    from app.model import load_model
     from app.tools.registry import get_tools
 
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
@@ -79,7 +79,7 @@ def _ask(args) -> int:
         clean_question(question)
     tools = get_tools(args.tools.split(",") if args.tools else None)
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
-    engine = Engine(load_model(), tools=tools, prompt=prompt)
+    engine = Engine(load_backend(), tools=tools, prompt=prompt)
     settings.validated(engine.context_limit)
     for event in engine.stream_batch(args.questions, settings):
         if args.json:
@@ -94,13 +94,18 @@ def _ask(args) -> int:
     return 0
 
 
+def _count(n: int | None) -> str:
+    return "not reported" if n is None else str(n)
+
+
 def _describe(segment) -> str:
     if segment.kind == "tool":
         return f"{segment.text}\n  [tool {segment.tool or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
-    return (f"\n  [{segment.stop.label} · {segment.prefill_tokens} new tokens prefilled, "
-            f"{segment.cached_tokens} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
+    return (f"\n  [{segment.stop.label} · {_count(segment.prefill_tokens)} new tokens prefilled, "
+            f"{_count(segment.cached_tokens)} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
 
 
 def _summary(episode: Episode) -> str:
     return (f"answer: {episode.answer}\n  [{episode.total_tokens} tokens in session · prefilled "
-            f"{episode.prefill_tokens}, reused {episode.reused_tokens} · {episode.ms:.0f} ms]\n")
+            f"{_count(episode.prefill_tokens)}, reused {_count(episode.reused_tokens)} · {episode.ms:.0f} ms · "
+            f"{episode.backend}]\n")

@@ -98,7 +98,6 @@ class SegmentStops:
     def __init__(self, checker: StopChecker):
         self._checker = checker
         self._tail = ""
-        self.overshoot = 0  # after a string match: characters from the match's start to the end of the text seen
 
     def check(self, token_id: int, delta: str, generated: int, max_new_tokens: int,
               total: int, max_length: int) -> Stop | None:
@@ -118,40 +117,37 @@ class SegmentStops:
         if not delta:
             return None
         text = self._tail + delta
-        best, best_at = None, None
+        best, best_end = None, None
         for s in self._checker.stop_strings:
             at = text.find(s, max(0, len(self._tail) - len(s) + 1))
-            if at >= 0 and (best is None or at + len(s) < best_at + len(best)):
-                best, best_at = s, at
-        if best is not None:
-            self.overshoot = len(text) - best_at
+            if at >= 0 and (best_end is None or at + len(s) < best_end):
+                best, best_end = s, at + len(s)
         keep = self._checker._keep
         self._tail = text[-keep:] if keep else ""
         return best
 
 
 class Holdback:
-    """Streams a segment's text but withholds a tail that may be the start of a stop string that is not kept
+    """Streams a segment's text but withholds a tail that may be (the start of) a stop string that is not kept
     (a trailing "\\n" may begin "\\nQ:"), so a view never shows text that the segment then drops."""
 
     def __init__(self, cut_strings: frozenset[str] | tuple[str, ...]):
-        self._prefixes = sorted({s[:i] for s in cut_strings for i in range(1, len(s))}, key=len, reverse=True)
-        self.text = ""  # the segment's text so far
+        self._prefixes = sorted({s[:i] for s in cut_strings for i in range(1, len(s) + 1)}, key=len, reverse=True)
+        self._text = ""  # the segment's text so far
         self._shown = 0
 
     def push(self, delta: str) -> str:
-        """Add a token's text; return what can be shown now."""
-        self.text += delta
-        held = next((len(p) for p in self._prefixes if self.text.endswith(p)), 0)
-        return self._show(len(self.text) - held)
+        """Add text; return what can be shown now."""
+        self._text += delta
+        held = next((len(p) for p in self._prefixes if self._text.endswith(p)), 0)
+        return self._show(len(self._text) - held)
 
-    def close(self, delta: str, end: int | None = None) -> str:
-        """Add the last token's text; return the rest to show, up to character `end` (None: all of it)."""
-        self.text += delta
-        return self._show(len(self.text) if end is None else end)
+    def close(self, end: int | None = None) -> str:
+        """The segment ended: return the rest to show, up to character `end` (None: all of it)."""
+        return self._show(len(self._text) if end is None else end)
 
     def _show(self, end: int) -> str:
-        out = self.text[self._shown:end]
+        out = self._text[self._shown:end]
         self._shown = max(self._shown, end)
         return out
 

@@ -1,8 +1,9 @@
 """The segment engine: one chat turn is an episode of model segments with tool calls between them.
 
-UI-agnostic: it yields typed events (text deltas, segment and episode records) that a CLI, an API or a page
-renders. Each session keeps its token ids and KV cache (app.kvcache.TokenCache); the system prompt is
-prefilled once per process and forked into every new session.
+UI-agnostic: it yields typed events (text deltas, segment and episode records, app.episode) that a CLI, an API
+or a page renders. Each session keeps its token ids and KV cache (app.kvcache.TokenCache); the system prompt is
+prefilled once per process and forked into every new session. A backend (app.backend) runs each model segment:
+the model in this process, or a model server; the engine keeps the turn loop, the tools and the events.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Generator, Literal
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Generator
 
 import torch
 
-from app.decoding import (Detokenizer, Holdback, Limit, PromptLookup, Stop, StopChecker, StopReason, next_token,
-                           tokens_before)
+from app.backend import Backend, SegmentRun
+from app.decoding import Holdback, Limit, Stop, StopReason, tokens_before
+from app.episode import (Episode, EpisodeFinished, Event, Segment, SegmentFinished, SegmentStarted, Span,  # noqa: F401
+                         TextDelta)
 from app.kvcache import TokenCache
+from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.prompt import PromptError, default_prompt_template, render_prompt
-from app.protocol import (CALL, CUT_STOPS, RESPONSE, STOP_STRINGS, ToolCallError, encode, neutralize,
-                          parse_tool_call)
+from app.protocol import CALL, CUT_STOPS, RESPONSE, ToolCallError, encode, neutralize, parse_tool_call
 from app.tools.registry import Tool, default_tools, run_tool
 
 MAX_QUESTION_CHARS = 4000
@@ -64,140 +68,6 @@ class Settings:
             if not ok:
                 raise InputError(message)
         return self
-
-
-@dataclass
-class Segment:
-    """One model segment (generated) or tool segment (inserted), with its span in the session's ids."""
-
-    kind: Literal["model", "tool"]
-    text: str
-    start: int
-    end: int
-    stop: Stop | None = None  # model segments only
-    tool: str | None = None  # tool segments only
-    query: str | None = None
-    ok: bool = True
-    prefill_tokens: int = 0  # tokens fed through the model as new input at the segment's start
-    cached_tokens: int = 0  # tokens whose keys/values came from the cache
-    generated_tokens: int = 0
-    ms: float = 0.0
-
-    def to_json(self) -> dict:
-        stop = self.stop
-        return {
-            "kind": self.kind,
-            "text": self.text,
-            "stop_reason": stop.reason.value if stop else None,
-            "stop_string": stop.string if stop else None,
-            "limit": stop.limit.value if stop and stop.limit else None,
-            "tool": self.tool,
-            "prefill_tokens": self.prefill_tokens,
-            "cached_tokens": self.cached_tokens,
-            "generated_tokens": self.generated_tokens,
-            "ms": round(self.ms, 3),
-        }
-
-
-@dataclass
-class Episode:
-    """One question and everything that answered it."""
-
-    question: str
-    query_start: int
-    query_end: int
-    use_cache: bool
-    segments: list[Segment] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # this turn's tokens: query + segments
-    total_tokens: int = 0  # every token of the session when the episode ended
-    ms: float = 0.0
-    reward: float | None = None
-    finished: bool = False
-
-    @property
-    def model_segments(self) -> list[Segment]:
-        return [s for s in self.segments if s.kind == "model"]
-
-    @property
-    def last_model_segment(self) -> Segment | None:
-        return next((s for s in reversed(self.segments) if s.kind == "model"), None)
-
-    @property
-    def answer(self) -> str:
-        """The last model segment's text, cut at the stop string that ended it."""
-        last = self.last_model_segment
-        if last is None:
-            return ""
-        text = last.text
-        if last.stop and last.stop.string and last.stop.string in text:
-            text = text[: text.rfind(last.stop.string)]
-        return text.strip()
-
-    @property
-    def stop(self) -> Stop | None:
-        last = self.last_model_segment
-        return last.stop if last else None
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(s.prefill_tokens for s in self.segments)
-
-    @property
-    def reused_tokens(self) -> int:
-        return sum(s.cached_tokens for s in self.segments)
-
-    @property
-    def mask(self) -> list[int]:
-        """1 for tokens the model generated, 0 for inserted ones (query, tool output), over token_ids."""
-        mask = [0] * len(self.token_ids)
-        for s in self.model_segments:
-            mask[s.start - self.query_start : s.end - self.query_start] = [1] * (s.end - s.start)
-        return mask
-
-    def to_json(self) -> dict:
-        return {
-            "question": self.question,
-            "answer": self.answer,
-            "total_tokens": self.total_tokens,
-            "cache": {"enabled": self.use_cache, "prefill_tokens": self.prefill_tokens,
-                      "reused_tokens": self.reused_tokens},
-            "segments": [s.to_json() for s in self.segments],
-        }
-
-
-# Events, in the order a turn yields them.
-@dataclass(frozen=True)
-class SegmentStarted:
-    row: int
-    kind: Literal["model", "tool"]
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    row: int
-    text: str
-
-
-@dataclass(frozen=True)
-class SegmentFinished:
-    row: int
-    segment: Segment
-
-
-@dataclass(frozen=True)
-class EpisodeFinished:
-    row: int
-    episode: Episode
-
-
-Event = SegmentStarted | TextDelta | SegmentFinished | EpisodeFinished
-
-
-@dataclass(frozen=True)
-class Span:
-    role: Literal["system", "user", "model", "tool"]
-    start: int
-    end: int
 
 
 class Session:
@@ -251,20 +121,32 @@ def clean_question(question: str) -> str:
 
 
 class Engine:
-    """Runs episodes for sessions of one model; thread-safe (one model lock, one lock per session)."""
+    """Runs episodes for sessions of one model backend; thread-safe (the backend's lock, one lock per session)."""
 
     PROMPT_CACHE_SIZE = 4
 
-    def __init__(self, loaded: LoadedModel, tools: Mapping[str, Tool] | None = None, prompt: str | None = None):
-        self.loaded = loaded
+    def __init__(self, backend: Backend | LoadedModel, tools: Mapping[str, Tool] | None = None,
+                 prompt: str | None = None):
+        self.backend = LocalBackend(backend) if isinstance(backend, LoadedModel) else backend
         self.tools = dict(default_tools() if tools is None else tools)
         self.prompt = render_prompt(default_prompt_template() if prompt is None else prompt, self.tools)
-        self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
-        self._specials = loaded.special_token_texts
+        self._specials = self.backend.special_token_texts
         self._prompt_caches: OrderedDict[str, TokenCache] = OrderedDict()
         self._prompt_lock = threading.Lock()
-        cfg = loaded.model.config.get_text_config()
-        self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
+        self.context_limit = self.backend.context_limit
+
+    @property
+    def loaded(self) -> LoadedModel:
+        """The in-process model (the local backend only)."""
+        return self.backend.loaded
+
+    def _encode(self, text: str) -> list[int]:
+        with self.backend.lock:
+            return encode(self.backend.tokenizer, text)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        with self.backend.lock:
+            return self.backend.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def shared_kv_bytes(self) -> int:
@@ -289,8 +171,7 @@ class Engine:
             base = self._prompt_caches.get(prompt)
             if base is None:
                 require_utf8(prompt, "the system prompt")
-                with self.loaded.lock:
-                    base = TokenCache(encode(self.loaded.tokenizer, prompt))
+                base = TokenCache(self._encode(prompt))
                 if not base.ids:
                     raise InputError("the system prompt is empty")
                 if len(base) >= self.context_limit:
@@ -300,9 +181,8 @@ class Engine:
                 while len(self._prompt_caches) > self.PROMPT_CACHE_SIZE:
                     self._prompt_caches.popitem(last=False)
             self._prompt_caches.move_to_end(prompt)
-            if prefill and base.cached == 0 and len(base) > 1:
-                with self.loaded.lock:
-                    base.forward(self.loaded.model)
+            if prefill:
+                self.backend.prefill(base)
             return base
 
     # ---- one turn -------------------------------------------------------------------------------------------
@@ -317,14 +197,13 @@ class Engine:
     def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
         cache = session.cache
         separator = "\n\n" if session.episodes else ""
-        with self.loaded.lock:
-            query_ids = encode(self.loaded.tokenizer, f"{separator}Q: {neutralize(question, self._specials)}\n")
+        query_ids = self._encode(f"{separator}Q: {neutralize(question, self._specials)}\n")
         if len(cache) + len(query_ids) >= settings.max_length:
             raise InputError(
                 f"the context is full: {len(cache)} tokens so far + {len(query_ids)} for this message leave no "
                 f"room under max_length={settings.max_length}; start a new chat or raise max_length"
             )
-        episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache)
+        episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache, self.backend.name)
         cache.extend(query_ids)
         session.episodes.append(episode)
         started = time.perf_counter()
@@ -345,101 +224,45 @@ class Engine:
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
                        cancel: threading.Event | None, row: int) -> Generator[Event, None, Segment]:
-        cache, model, tokenizer = session.cache, self.loaded.model, self.loaded.tokenizer
-        if not settings.use_cache:
-            cache.drop_kv()
+        cache = session.cache
         start, began = len(cache), time.perf_counter()
-        stops, detok = self.stops.start(), Detokenizer(tokenizer)
-        pieces: list[str] = []  # each generated token's text
-        stream = Holdback(CUT_STOPS)
-        lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
-        fail = None
-        # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
-        # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
-        draft_len = max(1, settings.draft_tokens // 2)
-        stop: Stop | None = None
-        prefill = reused = generated = 0
+        run = SegmentRun()
         yield SegmentStarted(row, "model")
         try:
             if len(cache) >= settings.max_length:
-                stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
-            while stop is None:
-                if cancel is not None and cancel.is_set():
-                    stop = Stop(StopReason.CANCELLED)
-                    break
-                with self.loaded.lock:
-                    base = len(cache)
-                    fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
-                    room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
-                    drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
-                    cache.extend(drafts)
-                    logits, fed, hit = cache.forward(model, keep=len(drafts) + 1)
-                    if generated == 0:
-                        prefill, reused = fed, hit
-                    tokens = self._choose(logits, drafts, settings, session.generator)
-                    if drafts:
-                        full = len(tokens) > len(drafts)
-                        draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
-                    cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-                    cache.extend(tokens[-1:])
-                    deltas = []
-                    for i, token in enumerate(tokens):  # each new token is checked in order
-                        generated += 1
-                        pieces.append(detok.push(token))
-                        stop = stops.check(token, pieces[-1], generated, settings.max_new_tokens, base + i + 1,
-                                           settings.max_length)
-                        if stop is None:
-                            deltas.append(stream.push(pieces[-1]))
-                            continue
-                        cache.truncate(base + i + 1)  # nothing after the stop is kept
-                        end = None
-                        if stop.string in CUT_STOPS:  # nor the stop string itself
-                            end = self._cut(cache, start, pieces, stops.overshoot)
-                        deltas.append(stream.close(pieces[-1], end))
-                        break
-                    fail = None
-                    if lookup:
-                        lookup.sync()
-                for delta in deltas:
-                    if delta:
-                        yield TextDelta(row, delta)
-        except Exception:
-            if fail is not None:  # the model (or sampling) failed mid-step: undo that step, say so, re-raise
-                cache.truncate(base)
-                stop = fail
-            raise
+                run.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
+            else:
+                stream = Holdback(CUT_STOPS)  # text that may start a cut stop string waits for the next token
+                # closing: a closed turn (Stop in the page) closes the backend's segment at once (e.g. its stream)
+                with closing(self.backend.run_segment(cache, settings, cancel, run, session.generator)) as deltas:
+                    for delta in deltas:
+                        if shown := stream.push(delta):
+                            yield TextDelta(row, shown)
+                end = None
+                if run.stop is not None and run.stop.string in CUT_STOPS:  # not part of the answer
+                    end = self._cut(cache, start, run.stop.string)
+                if rest := stream.close(end):
+                    yield TextDelta(row, rest)
         finally:
-            if not settings.use_cache:
-                cache.drop_kv()
-            with self.loaded.lock:
-                text = tokenizer.decode(cache.ids[start:], skip_special_tokens=True)
-            segment = Segment("model", text, start, len(cache), stop=stop or Stop(StopReason.CANCELLED),
-                              prefill_tokens=prefill, cached_tokens=reused, generated_tokens=generated,
+            segment = Segment("model", self._decode(cache.ids[start:], skip_special_tokens=True), start, len(cache),
+                              stop=run.stop or Stop(StopReason.CANCELLED), prefill_tokens=run.prefill_tokens,
+                              cached_tokens=run.cached_tokens, generated_tokens=run.generated_tokens,
                               ms=(time.perf_counter() - began) * 1000)
             episode.segments.append(segment)
         yield SegmentFinished(row, segment)
         return segment
 
-    @staticmethod
-    def _cut(cache: TokenCache, start: int, pieces: list[str], overshoot: int) -> int:
-        """Drop a cut stop string and the blank space before it from the segment's tokens (whole tokens: one
-        that also holds answer text stays); return how many characters of the segment's text are kept.
-        `pieces`: each generated token's text, `overshoot`: characters from the stop string's start to the end."""
-        text = "".join(pieces)
-        kept = len(text[: len(text) - overshoot].rstrip())
-        cache.truncate(start + tokens_before(list(itertools.accumulate(map(len, pieces))), kept))
+    def _cut(self, cache: TokenCache, start: int, string: str) -> int:
+        """Drop a cut stop string, which the backend kept like every stop string, and the blank space before it
+        from the segment's tokens (whole tokens: one that also holds answer text stays); return how many
+        characters of the segment's text remain."""
+        ids = cache.ids[start:]
+        ends = [len(self._decode(ids[:n], skip_special_tokens=True)) for n in range(1, len(ids) + 1)]
+        text = self._decode(ids, skip_special_tokens=True)
+        at = text.rfind(string)  # where the recorded stop string begins: generation ended right after it
+        kept = len(text[:at].rstrip()) if at >= 0 else len(text)
+        cache.truncate(start + tokens_before(ends, kept))
         return kept
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:
-        """The new tokens: the drafts the model agrees with, then the model's own next token."""
-        if not drafts:
-            return [next_token(logits[-1], settings.temperature, settings.top_p, generator)]
-        greedy = logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
-            accepted += 1
-        return drafts[:accepted] + [greedy[accepted]]
 
     def _tool_segment(self, session: Session, episode: Episode, call_segment: Segment, settings: Settings,
                       row: int) -> Iterator[Event]:
@@ -456,13 +279,11 @@ class Engine:
         if len(text) > settings.max_tool_response:
             text = text[: settings.max_tool_response - 1] + "…"
         cache = session.cache
-        with self.loaded.lock:
-            ids = encode(self.loaded.tokenizer, text + RESPONSE)
+        ids = self._encode(text + RESPONSE)
         ids = ids[: max(0, settings.max_length - len(cache))]  # never past the session's budget
         start = len(cache)
         cache.extend(ids)
-        with self.loaded.lock:
-            inserted = self.loaded.tokenizer.decode(ids)
+        inserted = self._decode(ids)
         segment = Segment("tool", inserted, start, len(cache), tool=name, query=query, ok=ok,
                           ms=(time.perf_counter() - began) * 1000)
         episode.segments.append(segment)

@@ -48,8 +48,12 @@ class LoadedModel:
 
     @property
     def special_token_texts(self) -> list[str]:
-        """Every special token's text: tool output and user text must never contain one."""
-        return sorted({t for t in self.tokenizer.all_special_tokens if t}, key=len, reverse=True)
+        return special_token_texts(self.tokenizer)
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """Every special token's text: tool output and user text must never contain one."""
+    return sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
 
 
 def bundled_model_dir() -> Path:
@@ -132,6 +136,28 @@ def wrap(model, tokenizer, name: str) -> LoadedModel:
     model.requires_grad_(False)
     use_gqa_sdpa(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
+
+
+def load_tokenizer():
+    """Only the configured model's tokenizer (a model server runs the weights): from the converted cache folder
+    when the GGUF was converted before, else read from the GGUF (~10 s) and saved there for next time."""
+    from transformers import AutoTokenizer
+
+    model_id, gguf_file = model_source()
+    if not gguf_file:
+        return AutoTokenizer.from_pretrained(model_id)
+    converted = _converted_dir(model_id, gguf_file)
+    for folder in (converted, converted.with_name(converted.name + "-tokenizer")):
+        if (folder / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(model_id, gguf_file=gguf_file)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def load_model(model_id: str | None = None, gguf_file: str | None = None) -> LoadedModel:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import pandas as pd
 
 from app.engine import MAX_QUESTION_CHARS, Episode, InputError
+from app.episode import total_or_none
 from app.rewards import exact_match
 from components.compare import speedup_text
-from components.chat import stop_text
+from components.chat import count_text, stop_text
 
 MAX_BATCH = 16
 COLUMNS = ["#", "question", "answer", "stops", "tool calls", "expected", "reward"]
@@ -110,12 +111,12 @@ def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) 
     else:
         total, scored = score
         lines.append(f"accuracy: {total:g}/{scored} = {100 * total / scored:.0f}%")
-    tokens = sum(e.prefill_tokens for e in on.episodes)
+    tokens = count_text(total_or_none(e.prefill_tokens for e in on.episodes))
     lines.append(f"total time, cache on: {on.seconds:.2f} s ({len(on.episodes)} queries, {tokens} tokens prefilled, "
-                 f"{sum(e.reused_tokens for e in on.episodes)} reused)")
+                 f"{count_text(total_or_none(e.reused_tokens for e in on.episodes))} reused)")
     if off is not None:
         lines.append(f"total time, cache off: {off.seconds:.2f} s "
-                     f"({sum(e.prefill_tokens for e in off.episodes)} tokens prefilled)")
+                     f"({count_text(total_or_none(e.prefill_tokens for e in off.episodes))} tokens prefilled)")
         speedup = off.seconds / on.seconds if on.seconds > 0 else float("inf")
         lines.append(f"speed-up: {speedup_text(speedup)} · identical answers: {'yes' if identical(on, off) else 'no'}")
     return "  \n".join(lines)

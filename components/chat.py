@@ -42,11 +42,20 @@ def stop_markdown(stop: Stop | None) -> str:
     return escape_text(stop_text(stop))
 
 
+def count_text(n: int | None) -> str:
+    """A token count, or "not reported" where a model server did not report it (never a made-up number)."""
+    return "not reported" if n is None else str(n)
+
+
+def prefill_text(segment: Segment) -> str:
+    if segment.prefill_tokens is None or segment.cached_tokens is None:
+        return "prefill and cache reuse not reported by the model server"
+    return f"prefill {segment.prefill_tokens} new tokens · {segment.cached_tokens} reused from cache"
+
+
 def segment_footer(segment: Segment) -> str:
-    return (
-        f"stop: {stop_markdown(segment.stop)} · prefill {segment.prefill_tokens} new tokens · "
-        f"{segment.cached_tokens} reused from cache · {segment.generated_tokens} generated · {segment.ms:.0f} ms"
-    )
+    return (f"stop: {stop_markdown(segment.stop)} · {prefill_text(segment)} · {segment.generated_tokens} generated "
+            f"· {segment.ms:.0f} ms")
 
 
 def _body(text: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from app.compare import Comparison
 from app.engine import Episode
-from components.chat import escape_text, stop_text
+from components.chat import count_text, escape_text, stop_text
 
 
 def _cell(text: str) -> str:
@@ -30,8 +30,8 @@ def compare_markdown(result: Comparison) -> str:
         ("answer", _cell(_answer(on)), _cell(_answer(off))),
         ("stop", escape_text(stop_text(on.stop)), escape_text(stop_text(off.stop))),
         ("wall time", f"{result.cached_s:.2f} s", f"{result.uncached_s:.2f} s"),
-        ("tokens prefilled", str(on.prefill_tokens), str(off.prefill_tokens)),
-        ("tokens reused", str(on.reused_tokens), str(off.reused_tokens)),
+        ("tokens prefilled", count_text(on.prefill_tokens), count_text(off.prefill_tokens)),
+        ("tokens reused", count_text(on.reused_tokens), count_text(off.reused_tokens)),
         ("segments", str(len(on.segments)), str(len(off.segments))),
     ]
     table = ["| | cache on | cache off |", "|---|---|---|"]

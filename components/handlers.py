@@ -13,10 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import gradio as gr
 
+from app.backend import Backend, BackendError, load_backend
 from app.compare import compare
 from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
                         Settings, TextDelta, clean_question, default_prompt_template)
+from app.local_backend import LocalBackend
 from app.model import LoadedModel
+from app.server_backend import ServerBackend
 from app.rewards import builtin_questions
 from app.sessions import Entry, SessionStore
 from app.tools.registry import default_tools, get_tools
@@ -103,8 +106,11 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None,
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:
-    """The status line for a handler that failed: a user mistake as is, anything else logged with its traceback."""
-    if isinstance(error, InputError):
+    """The status line for a handler that failed: a user mistake or a model server's failure as is, anything else
+    logged with its traceback."""
+    if isinstance(error, BackendError):
+        log.warning("%s failed for session %s: %s", what, key, error)
+    if isinstance(error, (InputError, BackendError)):
         gr.Warning(str(error))
         return f"error: {error}"
     log.exception("%s failed for session %s", what, key)
@@ -115,32 +121,34 @@ def failure_status(error: Exception, what: str, key: str) -> str:
 def api_error(error: Exception, what: str) -> gr.Error:
     """The error an API client sees: a user mistake as is, anything else logged and named (not Gradio's generic
     "upstream app has raised an exception")."""
-    if isinstance(error, InputError):  # a user mistake: no traceback in the server log
+    if isinstance(error, BackendError):
+        log.warning("%s failed: %s", what, error)
+    if isinstance(error, (InputError, BackendError)):  # a user mistake or the model server's: no traceback
         return gr.Error(str(error), print_exception=False)
     log.exception("%s failed", what)  # logged here once; Gradio need not print it again
     return gr.Error(f"internal error ({type(error).__name__}: {error})", print_exception=False)
 
 
 class ChatService:
-    """The process's shared pieces: model (loaded lazily, once), engines by tool set, the session store."""
+    """The process's shared pieces: the model backend (loaded lazily, once: in process, or a model server when
+    MODEL_SERVER_URL is set), engines by tool set, the session store."""
 
-    def __init__(self, loader: Callable[[], LoadedModel] | None = None, store: SessionStore | None = None):
-        self._loader = loader
-        self._loaded: LoadedModel | None = None
+    def __init__(self, loader: Callable[[], Backend | LoadedModel] | None = None, store: SessionStore | None = None):
+        self._loader = loader or load_backend
+        self._backend: Backend | None = None
         self._engines: dict[tuple[str, ...], Engine] = {}
         self._lock = threading.Lock()
         self.store = store or SessionStore()
 
     # ---- shared model and engines ---------------------------------------------------------------------------
     @property
-    def loaded(self) -> LoadedModel:
+    def backend(self) -> Backend:
+        """Loaded on first use; a model server that is down raises a BackendError and is asked again next time."""
         with self._lock:
-            if self._loaded is None:
-                if self._loader is None:
-                    from app.model import load_model
-                    self._loader = load_model
-                self._loaded = self._loader()
-            return self._loaded
+            if self._backend is None:
+                loaded = self._loader()
+                self._backend = LocalBackend(loaded) if isinstance(loaded, LoadedModel) else loaded
+            return self._backend
 
     def engine_for(self, tools: Sequence[str] | None) -> Engine:
         """The engine for a tool subset (None: every tool); engines share the model and are built once."""
@@ -150,11 +158,11 @@ class ChatService:
         except ValueError as error:
             raise InputError(str(error)) from None
         key = tuple(name for name in available if name in chosen)  # registry order: one engine per subset
-        loaded = self.loaded
+        backend = self.backend
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
-                engine = self._engines[key] = Engine(loaded, tools={n: available[n] for n in key})
+                engine = self._engines[key] = Engine(backend, tools={n: available[n] for n in key})
             return engine
 
     def warm_up(self) -> None:
@@ -162,9 +170,9 @@ class ChatService:
         self.engine_for(None).new_session()
 
     def decode(self, ids: list[int]) -> str:
-        loaded = self.loaded
-        with loaded.lock:
-            return loaded.tokenizer.decode(ids, skip_special_tokens=False)
+        backend = self.backend
+        with backend.lock:
+            return backend.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def prepare(self, entry: Entry, engine: Engine, settings: Settings, prompt: str | None = None) -> Session:
@@ -200,7 +208,9 @@ class ChatService:
         return token_spans(session.cache.ids, session.spans(), self.decode)
 
     def stats(self, session: Session | None) -> str:
-        return stats_markdown(session, self.store.stats(self.shared_kv_bytes()))
+        backend = self._backend  # read once, never loaded here: the page shows stats before the first turn
+        return stats_markdown(session, self.store.stats(self.shared_kv_bytes()), backend.name if backend else None,
+                              kv_on_server=isinstance(backend, ServerBackend))
 
     def shared_kv_bytes(self) -> int:
         """KV of every engine's shared prefilled prompts: counted in the sessions' budget."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.backend import concurrent_turns
 from app.config import ASSETS
 from app.engine import default_prompt_template
 from components.batch import MAX_BATCH, empty_frame
@@ -30,6 +31,7 @@ def launch_kwargs() -> dict:
 
 def build_demo(service: ChatService | None = None) -> gr.Blocks:
     service = service or ChatService()
+    turns = concurrent_turns()  # turns (and Compare, Batch, API calls) that run at once: 1 in process
     with gr.Blocks(title="TextEnv Chat") as demo:
         gr.Markdown("# TextEnv Chat\nA small model that calls tools (calculator, Jargon File search) "
                     "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
@@ -110,7 +112,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # the charts come with the turn's final status, so "done" means everything is shown; a message sent
         # while a turn runs queues behind it ("multiple": Gradio's default "once" drops it silently)
         turn = dict(fn=service.chat_page, inputs=[submitted, *settings_inputs], outputs=turn_outputs, concurrency_id=MODEL,
-                    concurrency_limit=1, show_progress="hidden", api_visibility="private", api_name="ui_turn",
+                    concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_turn",
                     trigger_mode="multiple")
         # Submitting (the message box emptied, Stop tickets taken) and Stop must not wait behind running work:
         # their own group, no limit. A ticket lets Stop cancel work still waiting in the queue.
@@ -124,21 +126,21 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                        concurrency_limit=None, show_progress="hidden", api_visibility="private",
                        api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
         compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
-            service.compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=1,
+            service.compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,
             show_progress="hidden", api_visibility="private", api_name="ui_compare")
         batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
         batch_run.click(service.batch_ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
             service.batch, [batch_questions, *settings_inputs, batch_ticket], [batch_results, batch_summary, batch_status],
-            concurrency_id=MODEL, concurrency_limit=1, show_progress="hidden", api_visibility="private",
+            concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,
                   show_progress="hidden", api_visibility="private",
                   api_name="ui_load").then(**charts, api_name="ui_charts_load")
         demo.unload(service.unload)
 
-        gr.api(service.api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=1)
-        gr.api(service.api_ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=1)
+        gr.api(service.api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=turns)
+        gr.api(service.api_ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=turns)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return demo

@@ -1,4 +1,4 @@
-"""Stats panel: this session's cache and the server's totals, as markdown."""
+"""Stats panel: which backend answers, this session's cache and the server's totals, as markdown."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ from app.engine import Session
 from app.sessions import MB, StoreStats
 
 
-def stats_markdown(session: Session | None, store: StoreStats) -> str:
+def stats_markdown(session: Session | None, store: StoreStats, backend: str | None = None,
+                   kv_on_server: bool = False) -> str:
+    """`backend`: its name (None before the model is loaded); `kv_on_server`: keys/values live on a model server,
+    so this process holds none and the per-chat KV figures would say nothing."""
     if session is None:
         mine = "This chat: no tokens yet"
+    elif kv_on_server:
+        mine = (f"This chat: {len(session.cache)} tokens (their keys/values live on the model server), "
+                f"{len(session.episodes)} turns")
     else:
         cache = session.cache
         mine = (f"This chat: {len(cache)} tokens, {cache.cached} cached "
@@ -16,4 +22,5 @@ def stats_markdown(session: Session | None, store: StoreStats) -> str:
     server = (f"Server: {store.sessions} session{'s' if store.sessions != 1 else ''}, "
               f"{store.kv_bytes / MB:.1f} MB of KV + {store.shared_bytes / MB:.1f} MB of shared prompts "
               f"(budget {store.budget_bytes / MB:.0f} MB)")
-    return f"{mine}  \n{server}"
+    model = f"Model: {backend}  \n" if backend else ""
+    return f"{model}{mine}  \n{server}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from app.engine import Episode
+from components.chat import count_text
 
 PREFILL_COLUMNS = ["segment", "part", "tokens", "ms", "turn", "kind"]
 TIME_COLUMNS = ["segment", "kind", "ms", "turn"]
@@ -34,12 +35,14 @@ def prefill_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -
     """Two rows per segment: its prefill tokens that were new (fed through the model) and reused (from cache).
 
     Tool segments feed nothing through the model when inserted (their tokens are prefilled by the next model
-    segment), so their rows are 0 and 0; their time is the tool's run time.
+    segment), so their rows are 0 and 0; their time is the tool's run time. A model server that did not report
+    a segment's counts gets no bars for it (no made-up numbers; the footer says "not reported").
     """
     rows = []
     for turn, label, segment in _numbered(episodes, last):
         for part, tokens in zip(PARTS, (segment.prefill_tokens, segment.cached_tokens)):
-            rows.append([label, part, int(tokens), round(float(segment.ms), 1), turn, segment.kind])
+            if tokens is not None:
+                rows.append([label, part, int(tokens), round(float(segment.ms), 1), turn, segment.kind])
     return pd.DataFrame(rows, columns=PREFILL_COLUMNS)
 
 
@@ -59,5 +62,5 @@ def timing_summary(episodes: list[Episode]) -> str:
     if not episodes:
         return "Timing: no turns yet"
     last = episodes[-1]
-    return (f"Turn {len(episodes)}: {len(last.segments)} segments, {last.prefill_tokens} tokens prefilled new, "
-            f"{last.reused_tokens} reused from cache, {last.ms / 1000:.2f} s")
+    return (f"Turn {len(episodes)}: {len(last.segments)} segments, {count_text(last.prefill_tokens)} tokens prefilled "
+            f"new, {count_text(last.reused_tokens)} reused from cache, {last.ms / 1000:.2f} s")

@@ -14,6 +14,8 @@ if [ "${1:-}" = "--dev" ]; then
   if ! command -v chromium >/dev/null && [ ! -x /usr/bin/chromium ]; then
     (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null
   fi
+  # llama.cpp's own server for the server-backend tests: built once (~6 min on 2 cores), then cached.
+  PYTHON=$PY bash scripts/build_llama_server.sh >/dev/null
 fi
 
 # Convert the GGUF once into the local cache (15-25 s the first time; later starts load it in ~3 s).

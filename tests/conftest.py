@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from app.model import LoadedModel, load_model, wrap
+from app.model import LoadedModel, load_model, load_tokenizer, wrap
 from app.protocol import encode
 
 
@@ -21,6 +21,12 @@ def real() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tokenizer(real):
     return real.tokenizer
+
+
+@pytest.fixture(scope="session")
+def server_tokenizer():
+    """The tokenizer alone, as the model server backend loads it (no weights)."""
+    return load_tokenizer()
 
 
 def _tiny(kind: str, tokenizer) -> LoadedModel:

@@ -304,7 +304,7 @@ def test_sessions_are_separate_and_new_chat_clears(tiny_llama):
 def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
     service, _ = make_service(tiny_llama, calculator_plan)
     result = service.api_ask("What is 41 * 23?", {"max_new_tokens": 16})
-    assert set(result) == {"question", "answer", "total_tokens", "cache", "segments"}
+    assert set(result) == {"question", "answer", "backend", "total_tokens", "cache", "segments"}
     assert result["answer"] == "Result = 943"
     assert [s["kind"] for s in result["segments"]] == ["model", "tool", "model"]
     assert result["segments"][0]["stop_string"] == "<call>" and result["segments"][1]["tool"] == "Calculator"

@@ -96,10 +96,11 @@ def test_tokens_before_a_cut_keep_every_character_before_it(ends, at, keep):
 
 def test_holdback_withholds_what_may_start_a_cut_string():
     stream = Holdback(frozenset({"\nQ:"}))
-    assert [stream.push(d) for d in ["Result = 5", "\n", "\n", "Q"]] == ["Result = 5", "", "\n", ""]
-    assert stream.close(":", end=10) == ""  # the kept text ends at "5": nothing of the cut was shown
+    assert [stream.push(d) for d in ["Result = 5", "\n", "\n", "Q", ":"]] == ["Result = 5", "", "\n", "", ""]
+    assert stream.close(end=10) == ""  # the kept text ends at "5": nothing of the cut was shown
     other = Holdback(frozenset({"\nQ:"}))
-    assert other.push("a\n") == "a" and other.push("b") == "\nb" and other.close("", None) == ""
+    assert other.push("a\n") == "a" and other.push("b") == "\nb" and other.push("\n") == ""
+    assert other.close() == "\n"  # another stop: everything is shown
 
 
 def test_eos(tiny_llama, tokenizer):

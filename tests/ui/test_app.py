@@ -209,7 +209,7 @@ def test_gradio_client_ask_returns_episode_json(app_url):
 
     client = Client(app_url, verbose=False)
     result = client.predict("What is 41 * 23?", {"max_new_tokens": 32}, api_name="/ask")
-    assert set(result) == {"question", "answer", "total_tokens", "cache", "segments"}
+    assert set(result) == {"question", "answer", "backend", "total_tokens", "cache", "segments"}
     assert result["question"] == "What is 41 * 23?"
     assert set(result["cache"]) == {"enabled", "prefill_tokens", "reused_tokens"}
     segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens",

@@ -1,0 +1,87 @@
+"""What the engine needs from whatever runs the model: one call per model segment.
+
+Two backends implement it: app.local_backend (the model in this process, forward passes on the session's
+TokenCache) and app.server_backend (a serving engine over HTTP: llama.cpp's server or vLLM). The engine keeps
+the turn loop, the tools and the events; a backend appends the segment's tokens to the session's ids (the
+ground truth either way) and records why the segment stopped, from the code or server that stopped it.
+`MODEL_SERVER_URL` chooses the server backend (see load_backend).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from app.decoding import Stop
+from app.kvcache import TokenCache
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.engine import Settings
+
+
+class BackendError(ValueError):
+    """The model server failed (down, slow, an HTTP error, malformed data): a clear message for the page, the
+    API and the CLI, never a traceback. The engine rolls the failed segment back, so the session stays usable.
+    A ValueError like InputError, so every boundary that shows user-facing errors shows this one too."""
+
+
+@dataclass
+class SegmentRun:
+    """What one model segment did, filled in by the backend as it goes, so that a segment cut short by Stop or
+    an error still says what it did."""
+
+    stop: Stop | None = None
+    prefill_tokens: int | None = 0  # tokens fed through the model as new input; None: the server did not say
+    cached_tokens: int | None = 0  # tokens whose keys/values came from a cache; None: the server did not say
+    generated_tokens: int = 0
+
+
+class Backend(Protocol):
+    """A model behind one small interface. `lock` serializes tokenizer use (fast tokenizers are not
+    thread-safe) and, in process, the model too."""
+
+    name: str  # which backend answers: shown in the stats panel and the CLI's / API's JSON
+    tokenizer: object
+    lock: threading.RLock
+    context_limit: int  # the most tokens a session may hold (the model's or the server's context)
+    special_token_texts: list[str]
+
+    def prefill(self, cache: TokenCache) -> None:
+        """Compute a shared system prompt's keys/values once, where this process holds them."""
+
+    def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
+                    run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
+        """Generate one model segment after `cache.ids`, appending its tokens to them and yielding text deltas;
+        `run` records the stop and the counts. Precondition: `len(cache) < settings.max_length`. On an error the
+        segment's tokens are rolled back, `run.stop` says ERROR, and the error propagates."""
+
+
+def load_backend() -> Backend:
+    """The backend the environment asks for: a model server when MODEL_SERVER_URL is set, else the model loaded
+    in this process (MODEL_ID / GGUF_FILE, default the bundled GGUF)."""
+    url = os.environ.get("MODEL_SERVER_URL", "").strip()
+    if url:
+        from app.server_backend import ServerBackend
+
+        return ServerBackend.from_env(url)
+    from app.local_backend import LocalBackend
+    from app.model import load_model
+
+    return LocalBackend(load_model())
+
+
+def concurrent_turns() -> int:
+    """How many turns the app runs at once. In process: one (two forward passes on two cores only slow each other
+    down). With a model server: MODEL_SERVER_PARALLEL (default 4, as many as `llama-server -np 4` has slots),
+    since the server batches the sessions' segments."""
+    if not os.environ.get("MODEL_SERVER_URL", "").strip():
+        return 1
+    value = os.environ.get("MODEL_SERVER_PARALLEL", "4")
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"MODEL_SERVER_PARALLEL must be a whole number from 1 to 64, not {value!r}")
+    return int(value)

@@ -1,0 +1,159 @@
+"""The records of a turn: segments (model or tool), the episode that holds them, and the events a turn yields.
+
+Plain data, serialized the same way everywhere (the CLI's JSON, the API, the page's views).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from app.decoding import Stop
+
+
+@dataclass
+class Segment:
+    """One model segment (generated) or tool segment (inserted), with its span in the session's ids."""
+
+    kind: Literal["model", "tool"]
+    text: str
+    start: int
+    end: int
+    stop: Stop | None = None  # model segments only
+    tool: str | None = None  # tool segments only
+    query: str | None = None
+    ok: bool = True
+    prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
+    cached_tokens: int | None = 0  # tokens whose keys/values came from the cache (None: a server did not say)
+    generated_tokens: int = 0
+    ms: float = 0.0
+
+    def to_json(self) -> dict:
+        stop = self.stop
+        return {
+            "kind": self.kind,
+            "text": self.text,
+            "stop_reason": stop.reason.value if stop else None,
+            "stop_string": stop.string if stop else None,
+            "limit": stop.limit.value if stop and stop.limit else None,
+            "tool": self.tool,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ms": round(self.ms, 3),
+        }
+
+
+@dataclass
+class Episode:
+    """One question and everything that answered it."""
+
+    question: str
+    query_start: int
+    query_end: int
+    use_cache: bool
+    backend: str = ""  # which backend answered (Backend.name)
+    segments: list[Segment] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # this turn's tokens: query + segments
+    total_tokens: int = 0  # every token of the session when the episode ended
+    ms: float = 0.0
+    reward: float | None = None
+    finished: bool = False
+
+    @property
+    def model_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.kind == "model"]
+
+    @property
+    def last_model_segment(self) -> Segment | None:
+        return next((s for s in reversed(self.segments) if s.kind == "model"), None)
+
+    @property
+    def answer(self) -> str:
+        """The last model segment's text, cut at the stop string that ended it."""
+        last = self.last_model_segment
+        if last is None:
+            return ""
+        text = last.text
+        if last.stop and last.stop.string and last.stop.string in text:
+            text = text[: text.rfind(last.stop.string)]
+        return text.strip()
+
+    @property
+    def stop(self) -> Stop | None:
+        last = self.last_model_segment
+        return last.stop if last else None
+
+    @property
+    def prefill_tokens(self) -> int | None:
+        """Tokens prefilled over the episode; None when a model server did not report a segment's."""
+        return total_or_none(s.prefill_tokens for s in self.segments)
+
+    @property
+    def reused_tokens(self) -> int | None:
+        return total_or_none(s.cached_tokens for s in self.segments)
+
+    @property
+    def mask(self) -> list[int]:
+        """1 for tokens the model generated, 0 for inserted ones (query, tool output), over token_ids."""
+        mask = [0] * len(self.token_ids)
+        for s in self.model_segments:
+            mask[s.start - self.query_start : s.end - self.query_start] = [1] * (s.end - s.start)
+        return mask
+
+    def to_json(self) -> dict:
+        return {
+            "question": self.question,
+            "answer": self.answer,
+            "backend": self.backend,
+            "total_tokens": self.total_tokens,
+            "cache": {"enabled": self.use_cache, "prefill_tokens": self.prefill_tokens,
+                      "reused_tokens": self.reused_tokens},
+            "segments": [s.to_json() for s in self.segments],
+        }
+
+
+# Events, in the order a turn yields them.
+@dataclass(frozen=True)
+class SegmentStarted:
+    row: int
+    kind: Literal["model", "tool"]
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    row: int
+    text: str
+
+
+@dataclass(frozen=True)
+class SegmentFinished:
+    row: int
+    segment: Segment
+
+
+@dataclass(frozen=True)
+class EpisodeFinished:
+    row: int
+    episode: Episode
+
+
+Event = SegmentStarted | TextDelta | SegmentFinished | EpisodeFinished
+
+
+@dataclass(frozen=True)
+class Span:
+    role: Literal["system", "user", "model", "tool"]
+    start: int
+    end: int
+
+
+def total_or_none(counts: Iterable[int | None]) -> int | None:
+    """A sum that stays None ("not reported") when any part is None."""
+    total = 0
+    for n in counts:
+        if n is None:
+            return None
+        total += n
+    return total

@@ -1,0 +1,104 @@
+"""The model in this process: one model segment is a loop of forward passes over the session's TokenCache
+(only uncached tokens are fed), sampling or verified prompt-lookup drafts, and a per-token stop check."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from app.backend import SegmentRun
+from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, next_token
+from app.kvcache import TokenCache
+from app.model import LoadedModel
+from app.protocol import STOP_STRINGS
+
+if TYPE_CHECKING:
+    from app.engine import Settings
+
+
+class LocalBackend:
+    """Runs segments on a LoadedModel (thread-safe through the model's lock)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.lock = loaded.lock
+        self.name = f"in-process ({loaded.name})"
+        self.special_token_texts = loaded.special_token_texts
+        self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
+        cfg = loaded.model.config.get_text_config()
+        self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
+
+    def prefill(self, cache: TokenCache) -> None:
+        if cache.cached == 0 and len(cache) > 1:
+            with self.lock:
+                cache.forward(self.loaded.model)
+
+    def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
+                    run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
+        if not settings.use_cache:
+            cache.drop_kv()
+        stops, detok = self.stops.start(), Detokenizer(self.tokenizer)
+        lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
+        fail = None
+        # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
+        # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
+        draft_len = max(1, settings.draft_tokens // 2)
+        try:
+            while run.stop is None:
+                if cancel is not None and cancel.is_set():
+                    run.stop = Stop(StopReason.CANCELLED)
+                    break
+                with self.lock:
+                    base = len(cache)
+                    fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
+                    generated = run.generated_tokens
+                    room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
+                    drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
+                    cache.extend(drafts)
+                    logits, fed, hit = cache.forward(self.loaded.model, keep=len(drafts) + 1)
+                    if generated == 0:
+                        run.prefill_tokens, run.cached_tokens = fed, hit
+                    tokens = self._choose(logits, drafts, settings, generator)
+                    if drafts:
+                        full = len(tokens) > len(drafts)
+                        draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
+                    cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+                    cache.extend(tokens[-1:])
+                    deltas = []
+                    for i, token in enumerate(tokens):  # each new token is checked in order
+                        run.generated_tokens += 1
+                        deltas.append(detok.push(token))
+                        run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
+                                               base + i + 1, settings.max_length)
+                        if run.stop is not None:
+                            cache.truncate(base + i + 1)  # nothing after the stop is kept
+                            break
+                    fail = None
+                    if lookup:
+                        lookup.sync()
+                for delta in deltas:
+                    if delta:
+                        yield delta
+        except Exception:
+            if fail is not None:  # the model (or sampling) failed mid-step: undo that step, say so, re-raise
+                cache.truncate(base)
+                run.stop = fail
+            raise
+        finally:
+            if not settings.use_cache:
+                cache.drop_kv()
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:
+        """The new tokens: the drafts the model agrees with, then the model's own next token."""
+        if not drafts:
+            return [next_token(logits[-1], settings.temperature, settings.top_p, generator)]
+        greedy = logits.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
+            accepted += 1
+        return drafts[:accepted] + [greedy[accepted]]

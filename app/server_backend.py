@@ -1,0 +1,341 @@
+"""Model segments on a serving engine: llama.cpp's server (`/completion`) or vLLM (`/v1/completions`).
+
+Each model segment is one streamed completion request whose prompt is the session's token ids (so the server's
+prefix cache reuses the system prompt, earlier turns and segments); the generated token ids come back in the
+stream and are appended to the session's ids, which stay the ground truth. The server applies the stop strings
+(app.protocol.STOP_STRINGS), EOS and `max_tokens`; the stop is recorded from what the server reports (llama.cpp
+`stop_type` / `stopping_word`, vLLM `finish_reason` / `stop_reason`), never guessed from the text. Prefill and
+reuse come from the server (llama.cpp `timings.prompt_n` / `cache_n`, vLLM `usage.prompt_tokens_details`);
+where it reports nothing they stay None, shown as "not reported".
+
+Environment: MODEL_SERVER_URL (base URL), MODEL_SERVER_KIND (`llama.cpp` or `vllm`; detected when unset),
+MODEL_SERVER_MODEL (vLLM's served model name; default its first), MODEL_SERVER_API_KEY (sent as a bearer token),
+MODEL_SERVER_TIMEOUT_S (default 60: connecting, and the longest wait for the next streamed event).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from app.backend import BackendError, SegmentRun
+from app.decoding import Limit, Stop, StopReason
+from app.kvcache import TokenCache
+from app.model import load_tokenizer, special_token_texts
+from app.protocol import STOP_STRINGS, encode
+from app.server_client import ModelServer, ServerHTTPError
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.engine import Settings
+
+log = logging.getLogger(__name__)
+
+KINDS = ("llama.cpp", "vllm")
+# Text whose ids the server's tokenizer must give exactly as ours does (else ids would mean other tokens).
+TOKENIZER_PROBE = "Q: What is 41 * 23?\n<request><Calculator>41 * 23<call>943<response>\nResult = 943<submit>"
+
+
+@dataclass(frozen=True)
+class End:
+    """How the server says a completion ended: `string` (with the stop string), `eos` or `limit`."""
+
+    kind: str
+    string: str | None = None
+
+
+@dataclass
+class Piece:
+    """What one streamed event adds: generated ids and their text, the server's counts, and the end if it came."""
+
+    tokens: list[int]
+    text: str = ""
+    predicted: int | None = None  # tokens generated so far, per the server (llama.cpp), to catch missing ids
+    prefill: int | None = None
+    cached: int | None = None
+    end: End | None = None
+
+
+class LlamaCpp:
+    """llama.cpp's native route: ids per token (`return_tokens`), `stop_type` / `stopping_word`, timings."""
+
+    kind = "llama.cpp"
+    path = "/completion"
+
+    def context_limit(self, server: ModelServer) -> int:
+        props = server.get_json("/props")
+        n_ctx = _field(props, "default_generation_settings", dict, server).get("n_ctx")
+        return _count(n_ctx, "n_ctx", server)
+
+    def tokenize(self, server: ModelServer, text: str) -> list:
+        return _field(server.post_json("/tokenize", {"content": text, "add_special": False}), "tokens", list, server)
+
+    def warm(self, server: ModelServer, ids: list[int]) -> None:
+        server.post_json(self.path, {"prompt": ids, "n_predict": 0, "cache_prompt": True})  # evaluate, generate none
+
+    def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int) -> dict:
+        return {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(STOP_STRINGS),
+                "cache_prompt": settings.use_cache, "return_tokens": True, "timings_per_token": True,
+                "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0, "min_p": 0.0,
+                "seed": seed}
+
+    def parse(self, event: dict, server: ModelServer) -> Piece:
+        _raise_error_event(event, server)
+        piece = Piece(tokens=_field(event, "tokens", list, server),
+                      text=_field(event, "content", str, server),
+                      predicted=_count(event.get("tokens_predicted"), "tokens_predicted", server))
+        timings = event.get("timings")
+        if isinstance(timings, dict):
+            piece.prefill = _count(timings.get("prompt_n"), "timings.prompt_n", server)
+            piece.cached = _count(timings.get("cache_n"), "timings.cache_n", server)
+        if event.get("stop") is True:
+            stop_type = event.get("stop_type")
+            if stop_type == "word":
+                word = event.get("stopping_word")
+                piece.end = End("string", word)
+                piece.text += word if isinstance(word, str) else ""  # the server cuts it out of `content`
+            elif stop_type in ("eos", "limit"):
+                piece.end = End(stop_type)
+            else:
+                raise BackendError(f"model server {server.url} ended a completion with stop_type {stop_type!r}")
+        return piece
+
+
+class Vllm:
+    """vLLM's OpenAI route with its extras: token-id prompts, `return_token_ids`, `stop_reason`,
+    `include_stop_str_in_output`, `cache_salt` (a fresh salt per request opts out of prefix-cache hits)."""
+
+    kind = "vllm"
+    path = "/v1/completions"
+
+    def __init__(self, model: str | None):
+        self.model = model
+
+    def context_limit(self, server: ModelServer) -> int:
+        models = _field(server.get_json("/v1/models"), "data", list, server)
+        chosen = next((m for m in models if isinstance(m, dict) and (self.model is None or m.get("id") == self.model)),
+                      None)
+        if chosen is None:
+            raise BackendError(f"model server {server.url} does not serve {self.model or 'any model'}")
+        self.model = chosen.get("id")
+        return _count(chosen.get("max_model_len"), "max_model_len", server)
+
+    def tokenize(self, server: ModelServer, text: str) -> list:
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        return _field(server.post_json("/tokenize", body), "tokens", list, server)
+
+    def warm(self, server: ModelServer, ids: list[int]) -> None:
+        server.post_json(self.path, {"model": self.model, "prompt": ids, "max_tokens": 1})  # vLLM needs >= 1
+
+    def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int) -> dict:
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "stop": list(STOP_STRINGS),
+                "include_stop_str_in_output": True, "return_token_ids": True,
+                "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
+        if not settings.use_cache:
+            body["cache_salt"] = uuid.uuid4().hex  # no earlier request shares it: nothing is reused
+        return body
+
+    def parse(self, event: dict, server: ModelServer) -> Piece:
+        _raise_error_event(event, server)
+        piece = Piece(tokens=[])
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            prompt = _count(usage.get("prompt_tokens"), "usage.prompt_tokens", server)
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if cached is not None:  # reported only with --enable-prompt-tokens-details
+                piece.cached = _count(cached, "cached_tokens", server)
+                piece.prefill = prompt - piece.cached
+        choices = _field(event, "choices", list, server)
+        if not choices:
+            return piece
+        choice = choices[0]
+        if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
+            raise BackendError(f"model server {server.url} returned no token_ids (vLLM needs `return_token_ids`, "
+                               "v0.10.2 or later)")
+        piece.tokens = choice["token_ids"]
+        piece.text = choice.get("text") or ""
+        finish = choice.get("finish_reason")
+        if finish == "length":
+            piece.end = End("limit")
+        elif finish == "stop":
+            if "stop_reason" not in choice:
+                raise BackendError(f"model server {server.url} does not say which stop ended the completion")
+            reason = choice["stop_reason"]
+            piece.end = End("string", reason) if isinstance(reason, str) else End("eos")  # None or a stop token id
+        elif finish is not None:
+            raise BackendError(f"model server {server.url} ended a completion with finish_reason {finish!r}")
+        return piece
+
+
+class ServerBackend:
+    """Runs segments on a model server; only the tokenizer is loaded here. Thread-safe: the lock guards the
+    tokenizer only, so sessions generate on the server at the same time."""
+
+    WARMED_PROMPTS = 16  # prompts remembered as sent (a bound: visitors can write their own)
+
+    def __init__(self, server: ModelServer, dialect: LlamaCpp | Vllm, tokenizer, context_limit: int):
+        self.server, self.dialect, self.tokenizer = server, dialect, tokenizer
+        self.lock = threading.RLock()
+        self._warmed: OrderedDict[int, None] = OrderedDict()  # hashes of the prompts prefill() sent
+        self._warm_lock = threading.Lock()
+        self.context_limit = context_limit
+        self.special_token_texts = special_token_texts(tokenizer)
+        self.name = f"{dialect.kind} server {server.url}"
+
+    @classmethod
+    def from_env(cls, url: str) -> "ServerBackend":
+        timeout = os.environ.get("MODEL_SERVER_TIMEOUT_S", "60")
+        try:
+            timeout_s = float(timeout)
+        except ValueError:
+            raise BackendError(f"MODEL_SERVER_TIMEOUT_S must be a number of seconds, not {timeout!r}") from None
+        server = ModelServer(url, timeout_s, os.environ.get("MODEL_SERVER_API_KEY") or None)
+        return cls.connect(server, os.environ.get("MODEL_SERVER_KIND") or None,
+                           os.environ.get("MODEL_SERVER_MODEL") or None)
+
+    @classmethod
+    def connect(cls, server: ModelServer, kind: str | None = None, model: str | None = None,
+                tokenizer=None) -> "ServerBackend":
+        """Ask the server what it is and how long its context is, and check that it tokenizes as we do."""
+        kind = kind or detect_kind(server)
+        if kind not in KINDS:
+            raise BackendError(f"MODEL_SERVER_KIND must be one of {', '.join(KINDS)}, not {kind!r}")
+        dialect = LlamaCpp() if kind == "llama.cpp" else Vllm(model)
+        context_limit = dialect.context_limit(server)
+        tokenizer = load_tokenizer() if tokenizer is None else tokenizer
+        theirs, ours = dialect.tokenize(server, TOKENIZER_PROBE), encode(tokenizer, TOKENIZER_PROBE)
+        if theirs != ours:
+            raise BackendError(f"model server {server.url} tokenizes differently from this app's tokenizer "
+                               f"({theirs[:8]}… vs {ours[:8]}…): set MODEL_ID / GGUF_FILE to the served model")
+        return cls(server, dialect, tokenizer, context_limit)
+
+    def prefill(self, cache: TokenCache) -> None:
+        """Send a shared system prompt once (nothing generated), so the server's prefix cache holds it before the
+        first visitor, as the in-process backend prefills it once. llama.cpp keeps a prefix per slot: sessions
+        that land on another slot prefill it there once (see the README's measurements)."""
+        key = hash(tuple(cache.ids))
+        with self._warm_lock:
+            if key in self._warmed:
+                self._warmed.move_to_end(key)
+                return
+            self.dialect.warm(self.server, cache.ids)
+            self._warmed[key] = None
+            while len(self._warmed) > self.WARMED_PROMPTS:
+                self._warmed.popitem(last=False)
+
+    def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
+                    run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
+        start, room = len(cache), settings.max_length - len(cache)
+        max_tokens = min(settings.max_new_tokens, room)
+        limit = Limit.MAX_LENGTH if room <= settings.max_new_tokens else Limit.MAX_NEW_TOKENS
+        # a seed per position: reproducible, yet each segment samples differently
+        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32)
+        run.prefill_tokens = run.cached_tokens = None  # until the server reports them
+        texts: list[str] = []
+        exact = True  # every generated id came back (llama.cpp skips those of a character split across tokens)
+        try:
+            with self.server.stream(self.dialect.path, body) as stream:
+                for event in stream.events(cancel):
+                    piece = self.dialect.parse(event, self.server)
+                    self._check_ids(piece, run.generated_tokens, max_tokens)
+                    if piece.prefill is not None:
+                        run.prefill_tokens, run.cached_tokens = piece.prefill, piece.cached
+                    exact &= piece.predicted is None or piece.predicted == run.generated_tokens + len(piece.tokens)
+                    cache.extend(piece.tokens)
+                    run.generated_tokens += len(piece.tokens)
+                    if piece.end is not None:
+                        generated = max(run.generated_tokens, piece.predicted or 0)
+                        run.stop = self._stop(piece.end, limit, generated, max_tokens)
+                    texts.append(piece.text)
+                    if piece.text:
+                        yield piece.text
+            if run.stop is None and not (cancel is not None and cancel.is_set()):
+                raise BackendError(f"model server {self.server.url} ended the stream before the completion ended")
+        except BackendError:
+            cache.truncate(start)  # the failed segment leaves no tokens: the session is as before it
+            run.stop, run.generated_tokens = Stop(StopReason.ERROR), 0
+            raise
+        finally:
+            if not exact and (run.stop is None or run.stop.reason is not StopReason.ERROR):
+                self._retokenize(cache, start, "".join(texts), max_tokens)
+        if run.stop is None:
+            run.stop = Stop(StopReason.CANCELLED)
+
+    def _check_ids(self, piece: Piece, generated: int, max_tokens: int) -> None:
+        vocab = len(self.tokenizer)
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in piece.tokens):
+            raise BackendError(f"model server {self.server.url} returned token ids outside the vocabulary "
+                               f"({piece.tokens[:8]})")
+        if generated + len(piece.tokens) > max_tokens:
+            raise BackendError(f"model server {self.server.url} generated more than the {max_tokens} tokens asked")
+
+    def _stop(self, end: End, limit: Limit, generated: int, max_tokens: int) -> Stop:
+        """The server's end as a Stop. `limit`: which budget set max_tokens (the session's max_length when it
+        left no more room than max_new_tokens, as the in-process path reports it)."""
+        if end.kind == "string":
+            if end.string not in STOP_STRINGS:
+                raise BackendError(f"model server {self.server.url} stopped at {end.string!r}, not a stop string")
+            return Stop(StopReason.STRING_MATCH, string=end.string)
+        if end.kind == "eos":
+            return Stop(StopReason.EOS)
+        if generated < max_tokens:
+            raise BackendError(f"model server {self.server.url} stopped at its own length limit after {generated} "
+                               f"of {max_tokens} tokens (its context size or --n-predict)")
+        return Stop(StopReason.MAX_LENGTH, limit=limit)
+
+    def _retokenize(self, cache: TokenCache, start: int, text: str, max_tokens: int) -> None:
+        """llama.cpp streams no ids for tokens that end inside a UTF-8 character; then the segment's ids are its
+        text tokenized (what the server's prefix cache will also see next time), within the budget."""
+        with self.lock:
+            ids = encode(self.tokenizer, text)[:max_tokens]
+        log.warning("model server %s left out ids of a split character: the segment's text was re-tokenized",
+                    self.server.url)
+        cache.truncate(start)
+        cache.extend(ids)
+
+
+def detect_kind(server: ModelServer) -> str:
+    """llama.cpp answers GET /props with its generation settings; vLLM does not, and lists its models as
+    owned by "vllm". A server that answers neither must be named with MODEL_SERVER_KIND."""
+    try:
+        props = server.get_json("/props")
+        if isinstance(props, dict) and "default_generation_settings" in props:
+            return "llama.cpp"
+    except ServerHTTPError:
+        pass  # not llama.cpp (404): ask the OpenAI route
+    models = server.get_json("/v1/models")
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data):
+        return "vllm"
+    raise BackendError(f"model server {server.url} is neither llama.cpp's server nor vLLM; set MODEL_SERVER_KIND "
+                       f"to one of {', '.join(KINDS)} if it speaks one of their APIs")
+
+
+def _raise_error_event(event: dict, server: ModelServer) -> None:
+    if "error" in event:
+        error = event["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise BackendError(f"model server {server.url} failed during the completion: {message}")
+
+
+def _field(value, name: str, kind: type, server: ModelServer):
+    got = value.get(name) if isinstance(value, dict) else None
+    if not isinstance(got, kind):
+        raise BackendError(f"model server {server.url} sent malformed data: {name!r} is not a {kind.__name__} "
+                           f"({str(value)[:120]})")
+    return got
+
+
+def _count(value, name: str, server: ModelServer) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BackendError(f"model server {server.url} sent malformed data: {name} = {value!r}")
+    return value

@@ -1,0 +1,251 @@
+"""The server backend against a real llama.cpp server (built by scripts/build_llama_server.sh) on the bundled
+GGUF, on loopback. llama.cpp's output differs from the in-process float32 path, so these tests check behaviour
+(tool calls, stop reasons recorded from the server, ids, cache reuse), not token identity.
+
+TEXTENV_TEST_SERVER_URL runs the same checks against a server that is already running (scripts/check_vllm.sh
+does this for vLLM); the tests that start, kill or inspect llama.cpp's own server are skipped then."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import gradio as gr
+import pytest
+
+from app.backend import BackendError
+from app.decoding import Limit, StopReason
+from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
+from app.llama_server import LlamaServer, free_port
+from app.protocol import CALL, SUBMIT
+from app.server_backend import ServerBackend
+from app.server_client import ModelServer
+from app.sessions import SessionStore
+from components.handlers import ChatService
+
+EXTERNAL = os.environ.get("TEXTENV_TEST_SERVER_URL")
+llama_only = pytest.mark.skipif(EXTERNAL is not None, reason="starts, kills or inspects llama.cpp's own server")
+SETTINGS = Settings(max_new_tokens=48, max_length=4096)
+QUESTIONS = {"What is 41 * 23?": ("41", "23", "943"), "What is 12 * 9?": ("12", "9", "108"),
+             "What is 7 + 5?": ("7", "5", "12"), "What is 100 - 37?": ("100", "37", "63")}
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory):
+    """One llama-server for the session (4 slots of 4,096 tokens, 2 threads, loopback only), or the external one."""
+    if EXTERNAL:
+        yield EXTERNAL
+        return
+    with LlamaServer(log=tmp_path_factory.mktemp("llama") / "server.log") as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def backend(server_url, server_tokenizer) -> ServerBackend:
+    return ServerBackend.connect(ModelServer(server_url, timeout_s=60), tokenizer=server_tokenizer,
+                                 kind=os.environ.get("MODEL_SERVER_KIND") or None,
+                                 model=os.environ.get("MODEL_SERVER_MODEL") or None)
+
+
+@pytest.fixture(scope="session")
+def engine(backend) -> Engine:
+    return Engine(backend)
+
+
+def text_of(backend, ids) -> str:
+    return backend.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@llama_only
+def test_detects_llama_cpp_and_its_context(backend, server_url):
+    assert backend.dialect.kind == "llama.cpp"
+    assert backend.name == f"llama.cpp server {server_url}"
+    assert backend.context_limit == 4096  # -c 16384 shared by -np 4 slots
+
+
+def test_calculator_episode_calls_the_tool_and_records_the_servers_stops(engine, backend):
+    session = engine.new_session()
+    episode = engine.ask(session, "What is 41 * 23?", SETTINGS)
+    first, tool, last = episode.segments[0], episode.segments[1], episode.segments[-1]
+    assert first.stop.reason is StopReason.STRING_MATCH and first.stop.string == CALL
+    assert tool.kind == "tool" and tool.tool == "Calculator" and tool.ok
+    assert "41" in tool.query and "23" in tool.query and tool.text.startswith("943")
+    # the server cuts the stop word from its text; the session's ids still end with it, as in process
+    assert text_of(backend, session.cache.ids[first.start:first.end]).endswith(CALL)
+    assert last.stop.reason in (StopReason.STRING_MATCH, StopReason.EOS, StopReason.MAX_LENGTH)
+    if last.stop.reason is StopReason.STRING_MATCH:
+        assert last.stop.string == SUBMIT and text_of(backend, session.cache.ids[last.start:last.end]).endswith(SUBMIT)
+    assert episode.backend == backend.name and episode.to_json()["backend"] == backend.name
+    assert episode.total_tokens == len(session.cache) and all(s.ms > 0 for s in episode.segments)
+    # every model segment reports the server's prefill: new + reused = its start position
+    for segment in episode.model_segments:
+        assert segment.prefill_tokens + segment.cached_tokens == segment.start
+        assert segment.generated_tokens == segment.end - segment.start
+
+
+def test_search_episode(engine):
+    episode = engine.ask(engine.new_session(), "What does kludge mean?", SETTINGS)
+    first, tool = episode.segments[0], episode.segments[1]
+    assert first.stop.string == CALL and tool.tool == "Search" and "kludge" in tool.query.lower()
+    assert tool.ok and "kludge" in tool.text.lower()
+    last = episode.segments[-1]
+    if last.stop.reason is StopReason.MAX_LENGTH:
+        assert last.stop.limit is Limit.MAX_NEW_TOKENS and last.generated_tokens == SETTINGS.max_new_tokens
+
+
+def test_max_new_tokens_and_max_length_stops(engine):
+    session = engine.new_session()
+    episode = engine.ask(session, "What is 41 * 23?", Settings(max_new_tokens=3, max_length=4096, max_turns=0))
+    (segment,) = episode.segments
+    assert segment.stop.reason is StopReason.MAX_LENGTH and segment.stop.limit is Limit.MAX_NEW_TOKENS
+    assert segment.generated_tokens == 3 and segment.end - segment.start == 3
+    room = len(session.cache) + 20  # the next question (~12 tokens) leaves a few tokens: the session's limit
+    episode = engine.ask(session, "What is 12 * 9?", Settings(max_new_tokens=48, max_length=room))
+    last = episode.segments[-1]
+    assert last.stop.reason is StopReason.MAX_LENGTH and last.stop.limit is Limit.MAX_LENGTH
+    assert len(session.cache) == room
+
+
+def test_second_turn_reuses_the_servers_prefix_cache_and_cache_off_reuses_nothing(engine):
+    session = engine.new_session()
+    engine.ask(session, "What is 12 * 9?", SETTINGS)
+    before = len(session.cache)
+    second = engine.ask(session, "What is 7 + 5?", SETTINGS).segments[0]
+    # all of turn 1 comes from the server's cache, but for its last token (llama.cpp) or last partial block (vLLM)
+    assert second.cached_tokens >= before - 16
+    assert second.prefill_tokens == second.start - second.cached_tokens and second.prefill_tokens < 40
+    off = engine.ask(session, "What is 100 - 37?", Settings(max_new_tokens=48, max_length=4096, use_cache=False))
+    first_off = off.segments[0]
+    assert first_off.cached_tokens == 0 and first_off.prefill_tokens == first_off.start  # cache_prompt: false
+
+
+def test_stop_mid_segment_closes_the_stream_and_the_session_stays_usable(engine, backend):
+    session = engine.new_session()
+    cancel = threading.Event()
+    long = Settings(max_new_tokens=400, max_length=4096, max_turns=0)
+    events = []
+    for event in engine.turn(session, "Write a long story about a robot.", long, cancel=cancel):
+        events.append(event)
+        if isinstance(event, TextDelta):
+            cancel.set()
+    (segment,) = [e.segment for e in events if isinstance(e, SegmentFinished)]
+    assert segment.stop.reason is StopReason.CANCELLED and 1 <= segment.generated_tokens < 400
+    assert segment.end == len(session.cache)
+    assert server_idle(backend)  # the server stopped generating
+    # closing the turn (the page's Stop between two yields) closes the stream too
+    turn = engine.turn(session, "Tell me another long story.", long)
+    for event in turn:
+        if isinstance(event, TextDelta):
+            turn.close()
+    assert session.episodes[-1].segments[-1].stop.reason is StopReason.CANCELLED
+    assert server_idle(backend)
+    assert engine.ask(session, "What is 12 * 9?", SETTINGS).segments[0].stop.string == CALL
+
+
+def server_idle(backend, within_s: float = 5.0) -> bool:
+    """llama.cpp: no slot is busy within `within_s` (bounded wait). Other servers show no per-slot state: True."""
+    if backend.dialect.kind != "llama.cpp":
+        return True
+    end = time.monotonic() + within_s
+    while any(slot["is_processing"] for slot in backend.server.get_json("/slots")):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@llama_only
+def test_server_killed_mid_turn_is_a_clear_error_and_the_next_turn_works_after_a_restart(server_tokenizer, tmp_path):
+    with LlamaServer(ctx=4096, parallel=1, log=tmp_path / "server.log") as llama:
+        engine = Engine(ServerBackend.connect(ModelServer(llama.url, timeout_s=30), tokenizer=server_tokenizer))
+        session = engine.new_session()
+        engine.ask(session, "What is 12 * 9?", SETTINGS)
+        before = list(session.cache.ids)
+        with pytest.raises(BackendError, match=f"model server {llama.url}"):
+            for event in engine.turn(session, "Write a long story about a robot.",
+                                     Settings(max_new_tokens=400, max_length=4096, max_turns=0)):
+                if isinstance(event, TextDelta):
+                    llama.stop()
+        failed = session.episodes[-1].segments[-1]
+        assert failed.stop.reason is StopReason.ERROR and failed.start == failed.end  # rolled back
+        assert session.cache.ids[:len(before)] == before and len(session.cache) == session.episodes[-1].query_end
+        with pytest.raises(BackendError, match="is not reachable: connection refused"):
+            engine.ask(session, "What is 7 + 5?", SETTINGS)
+        llama.start()
+        first = engine.ask(session, "What is 41 * 23?", SETTINGS).segments[0]  # the same session goes on
+        assert first.stop.reason is not StopReason.ERROR and first.end == first.start + first.generated_tokens
+        assert first.cached_tokens == 0 and first.prefill_tokens == first.start  # a restarted server's cache is empty
+        episode = engine.ask(engine.new_session(), "What is 41 * 23?", SETTINGS)
+        assert episode.segments[0].stop.string == CALL and episode.segments[1].text.startswith("943")
+
+
+def test_several_sessions_at_once_get_their_own_answers(engine):
+    results: dict[str, object] = {}
+
+    def chat(question: str) -> None:
+        try:
+            results[question] = engine.ask(engine.new_session(), question, SETTINGS)
+        except Exception as error:  # collected and asserted below: a thread must not swallow it
+            results[question] = error
+
+    threads = [threading.Thread(target=chat, args=(q,)) for q in QUESTIONS]
+    began = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert not any(thread.is_alive() for thread in threads), "a session did not finish within 240 s"
+    assert time.monotonic() - began < 240
+    for question, (a, b, result) in QUESTIONS.items():
+        episode = results[question]
+        assert not isinstance(episode, Exception), episode
+        tool = episode.segments[1]
+        assert tool.tool == "Calculator" and a in tool.query and b in tool.query, (question, tool.query)
+        assert tool.text.startswith(result), (question, tool.text)
+
+
+def test_cli_ask_names_the_server_and_a_dead_server_is_one_error_line(backend):
+    env = {**os.environ, "MODEL_SERVER_URL": backend.server.url}
+    done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?", "--json", "--max-length", "4096"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    episode = json.loads(done.stdout)
+    assert episode["backend"] == backend.name
+    assert episode["segments"][0]["stop_string"] == CALL and episode["segments"][1]["tool"] == "Calculator"
+    dead = f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MODEL_SERVER_URL": dead})
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: model server {dead} is not reachable: connection refused"
+
+
+def test_page_and_api_on_the_server_backend(backend):
+    service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
+    page = types.SimpleNamespace(session_hash="page-1")
+    outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
+                                service_prompt(), page))
+    chat, _, status, _, stats = outputs[-1]
+    assert status == "done" and "string match `<call>`" in chat[1]["content"]
+    assert f"Model: {backend.name}" in stats and "live on the model server" in stats
+    assert service.api_ask("What is 12 * 9?")["backend"] == backend.name
+
+
+def test_page_and_api_say_when_the_server_is_down():
+    dead = f"http://127.0.0.1:{free_port()}"
+    service = ChatService(loader=lambda: ServerBackend.connect(ModelServer(dead, timeout_s=5)),
+                          store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
+    page = types.SimpleNamespace(session_hash="page-1")
+    outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator"], service_prompt(), page))
+    assert outputs[-1][2] == f"error: model server {dead} is not reachable: connection refused"
+    assert outputs[-1][1] == "What is 41 * 23?"  # the message goes back to the box
+    with pytest.raises(gr.Error, match="is not reachable: connection refused"):
+        service.api_ask("What is 41 * 23?")
+
+
+def service_prompt() -> str:
+    return default_prompt_template()

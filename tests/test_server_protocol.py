@@ -1,0 +1,94 @@
+"""How server reports become stops and counts, on events shaped as the servers document them (vLLM's stream
+chunks cannot be produced here without a GPU; scripts/check_vllm.sh runs the real checks), and how counts a
+server did not report are shown: "not reported", never a number."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.backend import BackendError
+from app.compare import Comparison
+from app.decoding import Stop, StopReason
+from app.engine import Engine, Settings
+from app.episode import Episode, Segment
+from app.protocol import CALL, encode
+from app.server_backend import End, LlamaCpp, ServerBackend, Vllm
+from app.server_client import ModelServer
+from components.chat import segment_footer
+from components.compare import compare_markdown
+from components.timing import prefill_frame, timing_summary
+from tests.http_peers import serve
+
+SERVER = ModelServer("http://127.0.0.1:9")
+
+
+def chunk(text="", token_ids=(5,), finish=None, **extra) -> dict:
+    choice = {"index": 0, "text": text, "token_ids": list(token_ids), "finish_reason": finish, **extra}
+    return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
+
+
+def test_vllm_stop_reasons():
+    vllm = Vllm("m")
+    assert vllm.parse(chunk("a"), SERVER).end is None
+    assert vllm.parse(chunk(CALL, finish="stop", stop_reason=CALL), SERVER).end == End("string", CALL)
+    assert vllm.parse(chunk(finish="stop", stop_reason=None), SERVER).end == End("eos")  # EOS: no stop_reason
+    assert vllm.parse(chunk(finish="stop", stop_reason=2), SERVER).end == End("eos")  # a stop token id
+    assert vllm.parse(chunk(finish="length"), SERVER).end == End("limit")
+    with pytest.raises(BackendError, match="does not say which stop"):
+        vllm.parse(chunk(finish="stop"), SERVER)  # an older server without stop_reason: not guessed
+    with pytest.raises(BackendError, match="returned no token_ids"):
+        vllm.parse({"choices": [{"index": 0, "text": "a", "token_ids": None, "finish_reason": None}]}, SERVER)
+
+
+def test_vllm_usage_with_and_without_cached_tokens():
+    vllm = Vllm("m")
+    usage = {"prompt_tokens": 700, "completion_tokens": 9, "total_tokens": 709}
+    reported = vllm.parse({"choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 688}}},
+                          SERVER)
+    assert (reported.prefill, reported.cached) == (12, 688)
+    silent = vllm.parse({"choices": [], "usage": {**usage, "prompt_tokens_details": None}}, SERVER)
+    assert (silent.prefill, silent.cached) == (None, None)  # without --enable-prompt-tokens-details
+
+
+def test_vllm_requests_ids_stops_and_a_salt_when_the_cache_is_off():
+    on = Vllm("m").request([1, 2, 3], Settings(), 16, 7)
+    off = Vllm("m").request([1, 2, 3], Settings(use_cache=False), 16, 7)
+    assert on["prompt"] == [1, 2, 3] and on["max_tokens"] == 16 and on["return_token_ids"] is True
+    assert on["include_stop_str_in_output"] is True and CALL in on["stop"] and "cache_salt" not in on
+    assert off["cache_salt"] != Vllm("m").request([1], Settings(use_cache=False), 1, 0)["cache_salt"]
+
+
+def test_llama_cpp_word_stop_puts_the_stop_string_back_into_the_text():
+    piece = LlamaCpp().parse({"content": "", "tokens": [], "stop": True, "stop_type": "word", "stopping_word": CALL,
+                              "tokens_predicted": 9, "timings": {"prompt_n": 3, "cache_n": 55}}, SERVER)
+    assert piece.end == End("string", CALL) and piece.text == CALL and (piece.prefill, piece.cached) == (3, 55)
+
+
+def test_missing_ids_of_a_split_character_are_rebuilt_from_the_text(server_tokenizer):
+    """llama.cpp streams no ids for a token that ends inside a UTF-8 character: the segment is re-tokenized."""
+    events = [{"content": "é!", "tokens": [0], "stop": False, "tokens_predicted": 2},  # token 1 of 2 never came
+              {"content": "", "tokens": [], "stop": True, "stop_type": "eos", "stopping_word": "",
+               "tokens_predicted": 2, "timings": {"prompt_n": 5, "cache_n": 0}}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+    httpd, url = serve(body)
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
+        session = engine.new_session(use_cache=False)
+        segment = engine.ask(session, "Say é!", Settings(max_new_tokens=8, max_turns=0)).segments[0]
+        httpd.shutdown()
+    assert segment.stop.reason is StopReason.EOS
+    assert session.cache.ids[segment.start:] == encode(server_tokenizer, "é!") and segment.text == "é!"
+
+
+def test_counts_a_server_did_not_report_show_as_not_reported():
+    segment = Segment("model", "hi", 10, 12, stop=Stop(StopReason.EOS), prefill_tokens=None, cached_tokens=None,
+                      generated_tokens=2, ms=5.0)
+    episode = Episode("q", 0, 10, True, "vllm server http://x", segments=[segment], ms=5.0)
+    assert "prefill and cache reuse not reported by the model server" in segment_footer(segment)
+    assert episode.prefill_tokens is None and episode.to_json()["cache"]["prefill_tokens"] is None
+    assert prefill_frame([episode]).empty  # no bars rather than made-up zeros
+    assert "not reported tokens prefilled" in timing_summary([episode])
+    table = compare_markdown(Comparison(episode, episode, 1.0, 1.0))
+    assert "| tokens prefilled | not reported | not reported |" in table
