@@ -260,7 +260,7 @@ class Engine:
         ends = [len(self._decode(ids[:n], skip_special_tokens=True)) for n in range(1, len(ids) + 1)]
         text = self._decode(ids, skip_special_tokens=True)
         at = text.rfind(string)  # where the recorded stop string begins: generation ended right after it
-        kept = len(text[:at].rstrip()) if at >= 0 else len(text)
+        kept = len((text[:at] if at >= 0 else text).rstrip())  # (-1: a server left the string's tokens out)
         cache.truncate(start + tokens_before(ends, kept))
         return kept
 
