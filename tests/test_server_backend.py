@@ -19,6 +19,7 @@ import gradio as gr
 import pytest
 
 from app.backend import BackendError
+from app.compare import compare
 from app.decoding import Limit, StopReason
 from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
 from app.llama_server import LlamaServer, free_port
@@ -26,6 +27,7 @@ from app.protocol import CALL, SUBMIT
 from app.server_backend import ServerBackend
 from app.server_client import ModelServer
 from app.sessions import SessionStore
+from components.compare import compare_markdown
 from components.handlers import ChatService
 
 EXTERNAL = os.environ.get("TEXTENV_TEST_SERVER_URL")
@@ -249,3 +251,13 @@ def test_page_and_api_say_when_the_server_is_down():
 
 def service_prompt() -> str:
     return default_prompt_template()
+
+
+def test_compare_maps_the_cache_switch_to_the_servers_prompt_cache(engine):
+    session = engine.new_session()
+    engine.ask(session, "What is 12 * 9?", SETTINGS)
+    result = compare(engine, session, "What is 41 * 23?", SETTINGS)
+    on, off = result.cached.segments[0], result.uncached.segments[0]
+    assert on.cached_tokens >= on.start - 16 and off.cached_tokens == 0 and off.prefill_tokens == off.start
+    assert not result.stopped and len(session.episodes) == 1  # forks: the chat itself is unchanged
+    assert f"| tokens reused | {result.cached.reused_tokens} | 0 |" in compare_markdown(result)
