@@ -23,7 +23,7 @@ from app.compare import compare
 from app.decoding import Limit, StopReason
 from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
 from app.llama_server import LlamaServer, free_port
-from app.protocol import CALL, SUBMIT
+from app.protocol import CALL, STOP_STRINGS
 from app.server_backend import ServerBackend
 from app.server_client import ModelServer
 from app.sessions import SessionStore
@@ -80,8 +80,9 @@ def test_calculator_episode_calls_the_tool_and_records_the_servers_stops(engine,
     # the server cuts the stop word from its text; the session's ids still end with it, as in process
     assert text_of(backend, session.cache.ids[first.start:first.end]).endswith(CALL)
     assert last.stop.reason in (StopReason.STRING_MATCH, StopReason.EOS, StopReason.MAX_LENGTH)
-    if last.stop.reason is StopReason.STRING_MATCH:
-        assert last.stop.string == SUBMIT and text_of(backend, session.cache.ids[last.start:last.end]).endswith(SUBMIT)
+    if last.stop.reason is StopReason.STRING_MATCH:  # <submit>, or another of app.protocol.STOP_STRINGS
+        assert last.stop.string in STOP_STRINGS and last.stop.string != CALL
+        assert text_of(backend, session.cache.ids[last.start:last.end]).endswith(last.stop.string)
     assert episode.backend == backend.name and episode.to_json()["backend"] == backend.name
     assert episode.total_tokens == len(session.cache) and all(s.ms > 0 for s in episode.segments)
     # every model segment reports the server's prefill: new + reused = its start position
