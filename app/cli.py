@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from app.engine import Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question
+from app.episode import count_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,18 +95,14 @@ def _ask(args) -> int:
     return 0
 
 
-def _count(n: int | None) -> str:
-    return "not reported" if n is None else str(n)
-
-
 def _describe(segment) -> str:
     if segment.kind == "tool":
         return f"{segment.text}\n  [tool {segment.tool or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
-    return (f"\n  [{segment.stop.label} · {_count(segment.prefill_tokens)} new tokens prefilled, "
-            f"{_count(segment.cached_tokens)} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
+    return (f"\n  [{segment.stop.label} · {count_text(segment.prefill_tokens)} new tokens prefilled, "
+            f"{count_text(segment.cached_tokens)} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
 
 
 def _summary(episode: Episode) -> str:
     return (f"answer: {episode.answer}\n  [{episode.total_tokens} tokens in session · prefilled "
-            f"{_count(episode.prefill_tokens)}, reused {_count(episode.reused_tokens)} · {episode.ms:.0f} ms · "
+            f"{count_text(episode.prefill_tokens)}, reused {count_text(episode.reused_tokens)} · {episode.ms:.0f} ms · "
             f"{episode.backend}]\n")

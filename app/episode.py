@@ -149,6 +149,11 @@ class Span:
     end: int
 
 
+def count_text(n: int | None) -> str:
+    """A token count, or "not reported" where a model server did not report it (never a made-up number)."""
+    return "not reported" if n is None else str(n)
+
+
 def total_or_none(counts: Iterable[int | None]) -> int | None:
     """A sum that stays None ("not reported") when any part is None."""
     total = 0

@@ -147,14 +147,15 @@ def load_tokenizer():
     if not gguf_file:
         return AutoTokenizer.from_pretrained(model_id)
     converted = _converted_dir(model_id, gguf_file)
-    for folder in (converted, converted.with_name(converted.name + "-tokenizer")):
+    own = converted.with_name(converted.name + "-tokenizer")  # the tokenizer alone, when no weights were converted
+    for folder in (converted, own):
         if (folder / "tokenizer_config.json").exists():
             return AutoTokenizer.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(model_id, gguf_file=gguf_file)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp = own.with_name(own.name + f".tmp{os.getpid()}")
     tokenizer.save_pretrained(tmp)
     try:
-        tmp.rename(folder)
+        tmp.rename(own)
     except OSError:  # another process saved it first
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import pandas as pd
 
 from app.engine import MAX_QUESTION_CHARS, Episode, InputError
-from app.episode import total_or_none
+from app.episode import count_text, total_or_none
 from app.rewards import exact_match
 from components.compare import speedup_text
-from components.chat import count_text, stop_text
+from components.chat import stop_text
 
 MAX_BATCH = 16
 COLUMNS = ["#", "question", "answer", "stops", "tool calls", "expected", "reward"]

@@ -42,11 +42,6 @@ def stop_markdown(stop: Stop | None) -> str:
     return escape_text(stop_text(stop))
 
 
-def count_text(n: int | None) -> str:
-    """A token count, or "not reported" where a model server did not report it (never a made-up number)."""
-    return "not reported" if n is None else str(n)
-
-
 def prefill_text(segment: Segment) -> str:
     if segment.prefill_tokens is None or segment.cached_tokens is None:
         return "prefill and cache reuse not reported by the model server"

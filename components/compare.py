@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from app.compare import Comparison
 from app.engine import Episode
-from components.chat import count_text, escape_text, stop_text
+from app.episode import count_text
+from components.chat import escape_text, stop_text
 
 
 def _cell(text: str) -> str:

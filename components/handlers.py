@@ -19,8 +19,8 @@ from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFin
                         Settings, TextDelta, clean_question, default_prompt_template)
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
-from app.server_backend import ServerBackend
 from app.rewards import builtin_questions
+from app.server_backend import ServerBackend
 from app.sessions import Entry, SessionStore
 from app.tools.registry import default_tools, get_tools
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,

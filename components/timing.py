@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from app.engine import Episode
-from components.chat import count_text
+from app.episode import count_text
 
 PREFILL_COLUMNS = ["segment", "part", "tokens", "ms", "turn", "kind"]
 TIME_COLUMNS = ["segment", "kind", "ms", "turn"]

@@ -19,13 +19,15 @@ import gradio as gr
 import pytest
 
 from app.backend import BackendError
+from app.compare import compare
 from app.decoding import Limit, StopReason
 from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
 from app.llama_server import LlamaServer, free_port
-from app.protocol import CALL, SUBMIT
+from app.protocol import CALL, STOP_STRINGS
 from app.server_backend import ServerBackend
 from app.server_client import ModelServer
 from app.sessions import SessionStore
+from components.compare import compare_markdown
 from components.handlers import ChatService
 
 EXTERNAL = os.environ.get("TEXTENV_TEST_SERVER_URL")
@@ -78,8 +80,9 @@ def test_calculator_episode_calls_the_tool_and_records_the_servers_stops(engine,
     # the server cuts the stop word from its text; the session's ids still end with it, as in process
     assert text_of(backend, session.cache.ids[first.start:first.end]).endswith(CALL)
     assert last.stop.reason in (StopReason.STRING_MATCH, StopReason.EOS, StopReason.MAX_LENGTH)
-    if last.stop.reason is StopReason.STRING_MATCH:
-        assert last.stop.string == SUBMIT and text_of(backend, session.cache.ids[last.start:last.end]).endswith(SUBMIT)
+    if last.stop.reason is StopReason.STRING_MATCH:  # <submit>, or another of app.protocol.STOP_STRINGS
+        assert last.stop.string in STOP_STRINGS and last.stop.string != CALL
+        assert text_of(backend, session.cache.ids[last.start:last.end]).endswith(last.stop.string)
     assert episode.backend == backend.name and episode.to_json()["backend"] == backend.name
     assert episode.total_tokens == len(session.cache) and all(s.ms > 0 for s in episode.segments)
     # every model segment reports the server's prefill: new + reused = its start position
@@ -249,3 +252,13 @@ def test_page_and_api_say_when_the_server_is_down():
 
 def service_prompt() -> str:
     return default_prompt_template()
+
+
+def test_compare_maps_the_cache_switch_to_the_servers_prompt_cache(engine):
+    session = engine.new_session()
+    engine.ask(session, "What is 12 * 9?", SETTINGS)
+    result = compare(engine, session, "What is 41 * 23?", SETTINGS)
+    on, off = result.cached.segments[0], result.uncached.segments[0]
+    assert on.cached_tokens >= on.start - 16 and off.cached_tokens == 0 and off.prefill_tokens == off.start
+    assert not result.stopped and len(session.episodes) == 1  # forks: the chat itself is unchanged
+    assert f"| tokens reused | {result.cached.reused_tokens} | 0 |" in compare_markdown(result)
