@@ -18,6 +18,7 @@ class StopReason(str, enum.Enum):
     STRING_MATCH = "string_match"
     EOS = "eos"
     MAX_LENGTH = "max_length"
+    REPETITION = "repetition"  # the last tokens were one span written three times over: a loop, not an answer
     CANCELLED = "cancelled"  # the user stopped it (or the stream was closed)
     ERROR = "error"  # the model raised; the session was rolled back to its last consistent state
 
@@ -47,6 +48,8 @@ class Stop:
             return "EOS"
         if self.reason is StopReason.MAX_LENGTH:
             return "max_length (max_new_tokens)" if self.limit is Limit.MAX_NEW_TOKENS else "max_length (session max_length)"
+        if self.reason is StopReason.REPETITION:
+            return "repetition"
         return "stopped by user" if self.reason is StopReason.CANCELLED else "error"
 
 
@@ -75,6 +78,11 @@ class Detokenizer:
         return text[len(done):]
 
 
+LOOP_PERIODS = range(4, 21)  # token lengths of a repeated span that count as a loop (of 2+ distinct tokens:
+# "1000000000000" repeats one digit token, and is an answer)
+LOOP_COPIES = 3
+
+
 class StopChecker:
     """Decides after every generated token whether the segment stops, and why.
 
@@ -98,6 +106,7 @@ class SegmentStops:
     def __init__(self, checker: StopChecker):
         self._checker = checker
         self._tail = ""
+        self._recent: list[int] = []  # the last LOOP_COPIES * LOOP_PERIODS[-1] generated ids
 
     def check(self, token_id: int, delta: str, generated: int, max_new_tokens: int,
               total: int, max_length: int) -> Stop | None:
@@ -110,7 +119,24 @@ class SegmentStops:
             return Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
         if generated >= max_new_tokens:
             return Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_NEW_TOKENS)
+        if self._loops(token_id):
+            return Stop(StopReason.REPETITION)
         return None
+
+    def _loops(self, token_id: int) -> bool:
+        """Whether the last tokens are one span of 4-20 tokens written LOOP_COPIES times in a row
+        ("esp. one that is changed; esp. one that is changed; ..."): greedy decoding does not leave such a loop,
+        it only spends the budget. Bounded work per token."""
+        recent = self._recent
+        recent.append(token_id)
+        del recent[: -LOOP_COPIES * LOOP_PERIODS[-1]]
+        for period in LOOP_PERIODS:
+            if len(recent) < LOOP_COPIES * period:
+                break
+            last = recent[-period:]
+            if len(set(last)) > 1 and all(recent[-(k + 1) * period: len(recent) - k * period] == last for k in range(1, LOOP_COPIES)):
+                return True
+        return False
 
     def _match(self, delta: str) -> str | None:
         """The stop string completed by this delta that ends first (a match must end inside the delta)."""

@@ -103,6 +103,25 @@ def test_holdback_withholds_what_may_start_a_cut_string():
     assert other.close() == "\n"  # another stop: everything is shown
 
 
+def test_a_loop_stops_as_repetition_instead_of_running_to_max_length(tiny_llama, tokenizer):
+    # Regression (measured by benchmarks/answer_quality.py): "Result = tweak: A value; esp. one that is changed;
+    # esp. one that is changed; ..." until max_new_tokens.
+    loop = "esp. one that is changed; "
+    plan = plan_text(tokenizer, (0, "Result = tweak: A value; " + loop * 6))
+    _, session, episode = run(forced(tiny_llama, plan), max_new_tokens=60)
+    (segment,) = episode.segments
+    assert (segment.stop.reason, segment.stop.label) == (StopReason.REPETITION, "repetition")
+    assert segment.text.count("esp. one that is changed") == 3 and segment.generated_tokens < 60
+    assert episode.to_json()["segments"][0]["stop_reason"] == "repetition"
+
+
+@pytest.mark.parametrize("text", ["Result = 1000000000000000000000", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13"])
+def test_long_answers_that_are_no_loop_go_on(tiny_llama, tokenizer, text):
+    plan = plan_text(tokenizer, (0, text + "<submit>"))
+    _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=60)
+    assert episode.stop.string == "<submit>"
+
+
 def test_eos(tiny_llama, tokenizer):
     plan = plan_text(tokenizer, (0, "Hello there"))
     plan[len(plan)] = 2
