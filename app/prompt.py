@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 
 from app.config import ASSETS
-from app.protocol import CALL, REQUEST, RESPONSE, SUBMIT
+from app.protocol import CALL, REQUEST, RESPONSE, SUBMIT, neutralize
 from app.tools.registry import Tool, find_tool, run_tool
 
 # `<request><Tool>query<call>` closing its line: the output is to be filled in.
@@ -54,7 +54,7 @@ def fill_examples(block: str, tools: Mapping[str, Tool]) -> str | None:
         result = run_tool(tools, tool.name, call[2].strip())
         if not result.ok:
             raise PromptError(f"the prompt's example {call[0].strip()} failed: {result.text}")
-        pieces += [block[last:call.end()].rstrip(" \t"), result.text, RESPONSE,
-                   f"\nResult = {tool.answer(result.text)}{SUBMIT}"]
+        output = neutralize(result.text)  # as in a session: tool output cannot forge a marker
+        pieces += [block[last:call.end()].rstrip(" \t"), output, RESPONSE, f"\nResult = {tool.answer(output)}{SUBMIT}"]
         last = call.end()
     return "".join(pieces) + block[last:]

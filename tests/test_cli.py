@@ -67,7 +67,7 @@ def test_user_mistakes_are_one_line_errors(args, message):
 @pytest.mark.parametrize("args, expected", [
     (["tool", "calculator", "12 × 7"], "84"),
     (["tool", "Calculator", "2^10"], "1024"),
-    (["tool", "search", "kludge"], "kludge:"),
+    (["tool", "search", "kludge"], "kludge (see kluge): A Rube Goldberg"),
 ])
 def test_tool_command(args, expected):
     out = cli(*args)

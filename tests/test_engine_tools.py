@@ -90,10 +90,10 @@ class PoisonedBackend:
 
 
 def test_search_result_with_submit_and_eos_text_does_not_end_a_real_episode(real):
+    engine = Engine(real)  # first: its prompt's look-up examples come from the real search
+    session = engine.new_session()
     set_backend(PoisonedBackend())
     try:
-        engine = Engine(real)
-        session = engine.new_session()
         episode = engine.ask(session, "What does kludge mean?", Settings(max_new_tokens=40))
     finally:
         set_backend(None)
