@@ -41,6 +41,11 @@ def send(page: Page, text: str, status: str | re.Pattern = "done") -> None:
     expect(status_box).to_have_text(status)
 
 
+# A story example: greedy, the bundled model then tells "a long story about a robot" past 120 tokens
+# ("You write very long stories." alone got "A:" and EOS).
+STORIES = ("Stories\n\nQ: Tell me a story about a cat.\nOnce upon a time, a cat lived in a small house by the sea. "
+           "Every morning she walked along the beach, and every evening she told the fishermen what she had seen. "
+           "One day she found a bottle with a letter inside, and that was the start of a long journey.\n")
 FINAL = re.compile(r"^\s*(done\s*|error: [\s\S]*)$")  # the element's text has surrounding whitespace
 
 
@@ -152,9 +157,8 @@ def test_two_browser_contexts_see_only_their_own_chats_and_new_chat_clears(open_
 def test_stop_cancels_generation(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 400)
-    # a prompt without the few-shot answers, which now end a turn after a line or two
-    page.locator("#system-prompt textarea").fill("You write very long stories.\n")
-    page.locator("#msg textarea").fill("Write a very long story about a dragon.")
+    page.locator("#system-prompt textarea").fill(STORIES)  # the default prompt's answers end after a line or two
+    page.locator("#msg textarea").fill("Tell me a long story about a robot.")
     page.locator("#send").click()
     expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
     expect(bot_messages(page).last).to_contain_text(re.compile(r"\w+ \w+ \w+"), timeout=TURN_MS)
