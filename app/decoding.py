@@ -134,7 +134,8 @@ class SegmentStops:
             if len(recent) < LOOP_COPIES * period:
                 break
             last = recent[-period:]
-            if len(set(last)) > 1 and all(recent[-(k + 1) * period: len(recent) - k * period] == last for k in range(1, LOOP_COPIES)):
+            copies = (recent[-(k + 1) * period: len(recent) - k * period] for k in range(1, LOOP_COPIES))
+            if len(set(last)) > 1 and all(copy == last for copy in copies):
                 return True
         return False
 

@@ -8,13 +8,13 @@ the model in this process, or a model server; the engine keeps the turn loop, th
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
+from itertools import count
 from typing import Generator
 
 import torch
@@ -208,7 +208,7 @@ class Engine:
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
-            for calls in itertools.count():
+            for calls in count():
                 segment = yield from self._model_segment(session, episode, settings, cancel, row)
                 if segment.stop.string != CALL or calls >= settings.max_turns:
                     break
