@@ -49,6 +49,7 @@ class Backend(Protocol):
     tokenizer: object
     lock: threading.RLock
     context_limit: int  # the most tokens a session may hold (the model's or the server's context)
+    parallel: int  # how many segments it usefully runs at once (a batch's rows run this many at a time)
     special_token_texts: list[str]
 
     def prefill(self, cache: TokenCache) -> None:
@@ -76,11 +77,17 @@ def load_backend() -> Backend:
 
 
 def concurrent_turns() -> int:
-    """How many turns the app runs at once. In process: one (two forward passes on two cores only slow each other
-    down). With a model server: MODEL_SERVER_PARALLEL (default 4, as many as `llama-server -np 4` has slots),
-    since the server batches the sessions' segments."""
-    if not os.environ.get("MODEL_SERVER_URL", "").strip():
-        return 1
+    """How many turns the app runs at once. In process: as many rows as the scheduler batches into one step
+    (app.scheduler.MAX_ROWS). With a model server: server_parallel(), since the server batches them."""
+    if os.environ.get("MODEL_SERVER_URL", "").strip():
+        return server_parallel()
+    from app.scheduler import MAX_ROWS
+
+    return MAX_ROWS
+
+
+def server_parallel() -> int:
+    """MODEL_SERVER_PARALLEL (default 4, as many as `llama-server -np 4` has slots): segments sent at once."""
     value = os.environ.get("MODEL_SERVER_PARALLEL", "4")
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"MODEL_SERVER_PARALLEL must be a whole number from 1 to 64, not {value!r}")

@@ -8,7 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from app.engine import Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question
+from app.engine import (Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question,
+                        in_row_order)
 from app.episode import count_text
 
 
@@ -82,7 +83,7 @@ def _ask(args) -> int:
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
     engine = Engine(load_backend(), tools=tools, prompt=prompt)
     settings.validated(engine.context_limit)
-    for event in engine.stream_batch(args.questions, settings):
+    for event in in_row_order(engine.stream_batch(args.questions, settings)):  # the rows run at once
         if args.json:
             if isinstance(event, EpisodeFinished):
                 print(json.dumps(event.episode.to_json(), ensure_ascii=False), flush=True)

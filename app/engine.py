@@ -8,10 +8,12 @@ the model in this process, or a model server; the engine keeps the turn loop, th
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import count
@@ -297,22 +299,78 @@ class Engine:
 
     def stream_batch(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
                      cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Several questions, each in its own new session from the shared prompt cache; events carry the row."""
-        settings = settings or Settings()
-        for row, question in enumerate(questions):
-            if cancel is not None and cancel.is_set():
-                return
-            session = self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + row)
-            yield from self.turn(session, question, settings, cancel, row)
+        """Several questions, each in its own new session from the shared prompt cache, all at once: their
+        segments share the backend's batched steps. Events carry the row and arrive interleaved (in_row_order
+        sorts them). A row whose model fails ends with its episode's `error` set; the other rows go on."""
+        settings = (settings or Settings()).validated(self.context_limit)
+        for question in questions:
+            clean_question(question)
+        stop = cancel if cancel is not None else threading.Event()
+        events: queue.SimpleQueue = queue.SimpleQueue()
+
+        def answer(row: int, question: str) -> None:
+            session = None
+            try:
+                if stop.is_set():
+                    return
+                session = self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + row)
+                for event in self.turn(session, question, settings, stop, row):
+                    events.put(event)
+            except Exception as error:
+                if session is None or not session.episodes:  # nothing ran: the whole batch is wrong
+                    events.put(error)
+                    return
+                episode = session.episodes[-1]
+                episode.error = str(error)
+                events.put(EpisodeFinished(row, episode))
+            finally:
+                events.put(row)  # this row is done
+
+        workers = min(len(questions), getattr(self.backend, "parallel", 1))
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="batch-row") as pool:
+            try:
+                for row, question in enumerate(questions):
+                    pool.submit(answer, row, question)
+                for _ in questions:
+                    while not isinstance(item := events.get(), int):
+                        if isinstance(item, Exception):
+                            raise item
+                        yield item
+            except BaseException:  # a bad row, or the consumer closed the stream: the others stop at their next step
+                stop.set()
+                raise
 
     def run(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
             reward_fn: Callable[[int, Episode], float] | None = None) -> list[Episode]:
-        """Batch episodes like TRL's TextEnvironment.run(queries); reward_fn(row, episode) scores each."""
-        episodes = [e.episode for e in self.stream_batch(questions, settings, prompt) if isinstance(e, EpisodeFinished)]
+        """Batch episodes like TRL's TextEnvironment.run(queries), all rows at once; reward_fn(row, episode)
+        scores each."""
+        finished = {e.row: e.episode for e in self.stream_batch(questions, settings, prompt)
+                    if isinstance(e, EpisodeFinished)}
+        episodes = [finished[row] for row in sorted(finished)]
         if reward_fn is not None:
             for row, episode in enumerate(episodes):
                 episode.reward = reward_fn(row, episode)
         return episodes
+
+
+def in_row_order(events: Iterator[Event]) -> Iterator[Event]:
+    """A batch's interleaved events as if its rows ran one after another: row 0's pass through at once, each
+    later row's wait until every row before it has finished."""
+    waiting: dict[int, list[Event]] = {}
+    finished: set[int] = set()
+    current = 0
+    for event in events:
+        if event.row != current:
+            waiting.setdefault(event.row, []).append(event)
+        else:
+            yield event
+        if isinstance(event, EpisodeFinished):
+            finished.add(event.row)
+        while current in finished:
+            current += 1
+            yield from waiting.pop(current, [])
+    for row in sorted(waiting):
+        yield from waiting[row]
 
 
 def _last_episode(events: Iterator[Event]) -> Episode:

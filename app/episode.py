@@ -60,6 +60,7 @@ class Episode:
     ms: float = 0.0
     reward: float | None = None
     finished: bool = False
+    error: str | None = None  # why the turn failed (the model or its server raised), when it did
 
     @property
     def model_segments(self) -> list[Segment]:
@@ -111,6 +112,7 @@ class Episode:
             "cache": {"enabled": self.use_cache, "prefill_tokens": self.prefill_tokens,
                       "reused_tokens": self.reused_tokens},
             "segments": [s.to_json() for s in self.segments],
+            **({"error": self.error} if self.error else {}),
         }
 
 

@@ -64,27 +64,46 @@ class TokenCache:
         other._kv_ids = list(self._kv_ids)
         return other
 
-    def forward(self, model, keep: int = 1) -> tuple[torch.Tensor, int, int]:
-        """Feed the uncached ids through the model; return (logits of the last `keep` positions, fed, reused).
+    def pending(self, config) -> tuple[DynamicCache, int, list[int]]:
+        """Before a forward pass: (the cache to extend, how many ids it covers, the uncached ids to feed).
 
         A fully cached sequence gives up its last cached position, so there is always a token to feed.
         """
         if self.cached >= len(self._ids):
             self._crop(len(self._ids) - 1)
         self.check()
-        reused = self.cached
-        new = self._ids[reused:]
         if self._kv is None:
-            self._kv = DynamicCache(config=model.config)
+            self._kv = DynamicCache(config=config)
+        return self._kv, self.cached, self._ids[self.cached:]
+
+    def advance(self, n: int) -> None:
+        """After a pass that fed the next `n` uncached ids into every layer of the cache."""
+        self._kv_ids.extend(self._ids[self.cached:self.cached + n])
+        if self._kv is None or self._kv.get_seq_length() != len(self._kv_ids):
+            held = self._kv.get_seq_length() if self._kv is not None else 0
+            raise CacheInvariantError(f"cache holds {held} positions, expected {len(self._kv_ids)}")
+
+    def rollback(self) -> None:
+        """After a failed pass: drop whatever keys/values it added in any layer (some layers may hold the new
+        positions, others not), so the cache covers exactly the ids it covered before the pass."""
+        if self._kv is None:
+            return
+        for layer in self._kv.layers:
+            extra = layer.get_seq_length() - self.cached if layer.is_initialized else 0
+            if extra > 0:
+                layer.crop(-extra)
+        self.check()
+
+    def forward(self, model, keep: int = 1) -> tuple[torch.Tensor, int, int]:
+        """Feed the uncached ids through the model alone; return (logits of the last `keep` positions, fed, reused)."""
+        kv, reused, new = self.pending(model.config)
         try:
             with torch.inference_mode():
-                out = model(input_ids=torch.tensor([new]), cache=self._kv, use_cache=True, logits_to_keep=keep)
+                out = model(input_ids=torch.tensor([new]), cache=kv, use_cache=True, logits_to_keep=keep)
         except BaseException:
             self.drop_kv()  # some layers may hold the new positions already: recompute rather than trust them
             raise
-        self._kv_ids.extend(new)
-        if self._kv.get_seq_length() != len(self._kv_ids):
-            raise CacheInvariantError(f"cache holds {self._kv.get_seq_length()} positions, expected {len(self._kv_ids)}")
+        self.advance(len(new))
         return out.logits[0, -keep:], len(new), reused
 
     def check(self) -> None:

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 class LocalBackend:
-    """Runs segments on a LoadedModel (thread-safe through the model's lock)."""
+    """Runs segments on a LoadedModel. Thread-safe: forward passes go through the model's scheduler (batched
+    with every other session's), tokenizer use through the model's lock."""
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
@@ -30,12 +31,12 @@ class LocalBackend:
         self.special_token_texts = loaded.special_token_texts
         self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
         cfg = loaded.model.config.get_text_config()
+        self.parallel = loaded.scheduler.max_rows
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
     def prefill(self, cache: TokenCache) -> None:
         if cache.cached == 0 and len(cache) > 1:
-            with self.lock:
-                cache.forward(self.loaded.model)
+            self.loaded.scheduler.forward(cache)
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
@@ -52,23 +53,24 @@ class LocalBackend:
                 if cancel is not None and cancel.is_set():
                     run.stop = Stop(StopReason.CANCELLED)
                     break
-                with self.lock:
-                    base = len(cache)
-                    fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
-                    generated = run.generated_tokens
-                    room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
-                    drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
-                    cache.extend(drafts)
-                    logits, fed, hit = cache.forward(self.loaded.model, keep=len(drafts) + 1)
-                    if generated == 0:
-                        run.prefill_tokens, run.cached_tokens = fed, hit
-                    tokens = self._choose(logits, drafts, settings, generator)
-                    if drafts:
-                        full = len(tokens) > len(drafts)
-                        draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
-                    cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-                    cache.extend(tokens[-1:])
-                    deltas = []
+                base = len(cache)
+                fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
+                generated = run.generated_tokens
+                room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
+                drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
+                cache.extend(drafts)
+                # one step of the scheduler's batched pass, beside every other session's rows
+                logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
+                if generated == 0:
+                    run.prefill_tokens, run.cached_tokens = fed, hit
+                tokens = self._choose(logits, drafts, settings, generator)
+                if drafts:
+                    full = len(tokens) > len(drafts)
+                    draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
+                cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+                cache.extend(tokens[-1:])
+                deltas = []
+                with self.lock:  # the tokenizer
                     for i, token in enumerate(tokens):  # each new token is checked in order
                         run.generated_tokens += 1
                         deltas.append(detok.push(token))
@@ -77,9 +79,9 @@ class LocalBackend:
                         if run.stop is not None:
                             cache.truncate(base + i + 1)  # nothing after the stop is kept
                             break
-                    fail = None
-                    if lookup:
-                        lookup.sync()
+                fail = None
+                if lookup:
+                    lookup.sync()
                 for delta in deltas:
                     if delta:
                         yield delta

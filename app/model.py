@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from app.attention import use_gqa_sdpa
+from app.scheduler import Scheduler
 from app.config import cache_dir
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,11 @@ class LoadedModel:
     tokenizer: object
     name: str
     eos_ids: frozenset[int]
-    # Fast tokenizers are not thread-safe, and two forward passes on 2 cores only slow each other down.
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # fast tokenizers are not thread-safe
+    scheduler: Scheduler = field(init=False, repr=False)  # the one owner of the model's forward passes
+
+    def __post_init__(self):
+        self.scheduler = Scheduler(self.model)
 
     @property
     def kv_bytes_per_token(self) -> int:

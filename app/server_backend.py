@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.backend import BackendError, SegmentRun
+from app.backend import BackendError, SegmentRun, server_parallel
 from app.decoding import Limit, Stop, StopReason
 from app.kvcache import TokenCache
 from app.model import load_tokenizer, special_token_texts
@@ -188,6 +188,7 @@ class ServerBackend:
         self._warmed: OrderedDict[int, None] = OrderedDict()  # hashes of the prompts prefill() sent
         self._warm_lock = threading.Lock()
         self.context_limit = context_limit
+        self.parallel = server_parallel()
         self.special_token_texts = special_token_texts(tokenizer)
         self.name = f"{dialect.kind} server {server.url}"
 

@@ -347,12 +347,13 @@ class ChatService:
             for cached in (True, False):
                 mode = "on" if cached else "off"
                 values = dataclasses.replace(settings, use_cache=cached)
-                episodes: list[Episode] = []
+                finished: dict[int, Episode] = {}
                 began = time.perf_counter()
-                for event in engine.stream_batch(questions, values, prompt, cancel=cancel):
+                for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows run at once
                     if isinstance(event, EpisodeFinished):
-                        episodes.append(event.episode)
-                        yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(episodes)}/{len(items)} done"
+                        finished[event.row] = event.episode
+                        yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
+                episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
                 runs.append(BatchRun(episodes, time.perf_counter() - began, cached))
                 if cached:  # show the rows as soon as the first pass is done
                     yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"

@@ -1,0 +1,83 @@
+"""One forward pass over several sessions' new tokens at once, each attending only to its own KV cache.
+
+Serving engines batch every active sequence into each step because a small model's step is bound by reading its
+weights: 8 rows cost little more than 1. Here the rows are *ragged*, as in vLLM: their new tokens (one for a
+decoding row, a chunk for a prefilling one) are laid end to end in one sequence for the layers that hold the
+weights (projections, MLP, LM head), and split again only for attention, where each row reads and extends its
+own session's DynamicCache. No padding, no masks between rows, no batch-resident copy of anyone's keys/values:
+after the pass each session's cache holds exactly its own tokens, as after a solo pass.
+
+Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can take this path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+SUPPORTED = frozenset({"llama"})
+
+
+@dataclass
+class Row:
+    """One session's part of a pass: `ids` are fed at positions start.. and appended to `kv`."""
+
+    kv: DynamicCache
+    ids: list[int]
+    start: int  # tokens `kv` holds already (= the first new token's position)
+    keep: int  # logits wanted for the last `keep` new tokens
+
+
+def supports(model) -> bool:
+    """Whether `ragged_forward` computes this model exactly like its own forward."""
+    config = model.config
+    return (config.model_type in SUPPORTED and not getattr(config, "sliding_window", None)
+            and hasattr(model, "model") and hasattr(model, "lm_head"))
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """A row's causal attention: its n new queries over its past + n keys (grouped heads read in place)."""
+    n = query.shape[2]
+    if n == 1 or past == 0:
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=scale, enable_gqa=True)
+    allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
+
+
+@torch.inference_mode()
+def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
+    """Run every row's new tokens through `model` in one pass; return each row's last `keep` logits.
+
+    Each row's cache grows by its tokens in every layer. If the pass raises, caches may be partly extended:
+    the caller restores them (app.kvcache.TokenCache.rollback)."""
+    inner = model.model
+    spans, at = [], 0
+    for row in rows:
+        spans.append((at, at + len(row.ids)))
+        at += len(row.ids)
+    ids = torch.tensor([[t for row in rows for t in row.ids]])
+    positions = torch.cat([torch.arange(row.start, row.start + len(row.ids)) for row in rows]).unsqueeze(0)
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (1, at, -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        for row, (a, b) in zip(rows, spans):
+            keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
+            outs.append(_attend(q[:, :, a:b], keys, values, row.start, attn.scaling))
+        out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    kept = torch.cat([torch.arange(b - row.keep, b) for row, (_, b) in zip(rows, spans)])
+    logits = model.lm_head(inner.norm(hidden[:, kept]))[0]
+    return list(logits.split([row.keep for row in rows]))

@@ -1,0 +1,175 @@
+"""The one owner of the model's forward passes: every session's pending tokens go through one pass per step.
+
+Continuous batching as serving engines do it, kept small: a session's thread (a chat turn, an API call, a batch
+row) asks for a pass over its uncached tokens and waits; the scheduler's thread takes every waiting request at a
+step boundary and runs them as one ragged pass (app.ragged), so rows join when they ask and leave when their
+segment stops, each with its own settings, sampling generator, stop checker and cancel, all kept in its own
+thread. Tools run there too, never on the model's thread.
+
+A long prefill (a new question over an evicted history, a long tool result) is fed in chunks while other rows
+are decoding, so it never stalls them for much more than one decode step. A row whose pass raises is retried
+alone, so a failure is recorded on that row only. Models the ragged pass does not support (`ragged.supports`)
+still go through here, one row at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from app import ragged
+from app.kvcache import TokenCache
+
+MAX_ROWS = 16  # rows per step: more would wait for the next step
+CHUNK_BESIDE_DECODE = 32  # prefill tokens per step while other rows decode (~ one decode step's work)
+CHUNK_ALONE = 512  # prefill tokens per step when no row is decoding (bounds a pass's activation memory)
+
+
+@dataclass(eq=False)
+class _Request:
+    cache: TokenCache
+    keep: int
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    fed: int = 0
+    reused: int = -1  # set on the request's first step
+
+    def remaining(self) -> int:
+        return len(self.cache) - self.cache.cached
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    rows: int = 0  # row-steps: rows / steps is the mean batch
+    peak_rows: int = 0
+
+
+def plan_step(rows: list[tuple[int, int]]) -> list[int]:
+    """How many of its pending tokens each (pending, keep) row feeds this step: all of them for a decoding row
+    (a token, or a few drafts), a chunk for a prefilling one, never leaving fewer than `keep` for its last chunk.
+    Prefill chunks share a small budget while any other row is in the step, so they never stall it for long."""
+    decoding = any(pending <= keep for pending, keep in rows)
+    budget = CHUNK_BESIDE_DECODE if decoding else CHUNK_ALONE
+    plan = []
+    for pending, keep in rows:
+        n = pending if pending <= keep else min(pending, budget)  # (0: it waits for the next step)
+        if 0 < pending - n < keep:
+            n = max(0, pending - keep)
+        budget -= n if pending > keep else 0
+        plan.append(n)
+    return plan
+
+
+class Scheduler:
+    """Runs forward passes for many sessions' TokenCaches, batched step by step on one thread."""
+
+    def __init__(self, model, max_rows: int = MAX_ROWS):
+        self.model = model
+        self.max_rows = max_rows
+        self.ragged = ragged.supports(model)
+        self.stats = SchedulerStats()
+        self._waiting: list[_Request] = []
+        self._active: list[_Request] = []  # being prefilled in chunks: owned by the scheduler's thread
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def forward(self, cache: TokenCache, keep: int = 1) -> tuple[torch.Tensor, int, int]:
+        """Feed `cache`'s uncached ids in the next steps; return (logits of the last `keep` positions, tokens
+        fed, tokens reused), like TokenCache.forward. The caller owns `cache` and must not touch it meanwhile."""
+        request = _Request(cache, keep)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="model-scheduler", daemon=True)
+                self._thread.start()
+            self._waiting.append(request)
+            self._cond.notify()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.logits, request.fed, request.reused
+
+    # ---- the scheduler's thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._waiting and not self._active:
+                    self._cond.wait()
+                room = self.max_rows - len(self._active)
+                self._active += self._waiting[:room]
+                del self._waiting[:room]
+            try:
+                self._step(list(self._active))
+            except BaseException as error:  # the thread's boundary: every waiting row gets the error, not a hang
+                for request in list(self._active):
+                    self._finish(request, error=error)
+                if not isinstance(error, Exception):
+                    raise
+
+    def _step(self, requests: list[_Request]) -> None:
+        for request in requests:
+            if request.reused < 0:
+                try:  # checks the invariant, crops a fully cached sequence
+                    request.cache.pending(self.model.config)
+                except Exception as error:
+                    self._finish(request, error=error)
+                    continue
+                request.reused = request.cache.cached
+        plan = self._plan([r for r in requests if not r.done.is_set()])
+        if not plan:
+            return
+        self.stats.steps += 1
+        self.stats.rows += len(plan)
+        self.stats.peak_rows = max(self.stats.peak_rows, len(plan))
+        if not self.ragged:
+            for request, _ in plan:
+                self._solo(request)
+            return
+        try:
+            self._ragged(plan)
+        except Exception:
+            for request, _ in plan:  # find the failing row: the others go on
+                request.cache.rollback()
+            for request, n in plan:
+                try:
+                    self._ragged([(request, n)])
+                except Exception as error:
+                    request.cache.rollback()
+                    self._finish(request, error=error)
+
+    def _plan(self, requests: list[_Request]) -> list[tuple[_Request, int]]:
+        sizes = plan_step([(r.remaining(), r.keep) for r in requests])
+        return [(request, n) for request, n in zip(requests, sizes) if n > 0]
+
+    def _ragged(self, plan: list[tuple[_Request, int]]) -> None:
+        rows = []
+        for request, n in plan:
+            kv, start, new = request.cache.pending(self.model.config)
+            last = n == len(new)
+            rows.append(ragged.Row(kv, new[:n], start, request.keep if last else 1))
+        logits = ragged.ragged_forward(self.model, rows)
+        for (request, n), row, out in zip(plan, rows, logits):
+            request.cache.advance(n)
+            request.fed += n
+            if request.remaining() == 0:
+                self._finish(request, logits=out)
+
+    def _solo(self, request: _Request) -> None:
+        try:
+            logits, fed, _ = request.cache.forward(self.model, request.keep)
+        except Exception as error:
+            self._finish(request, error=error)
+            return
+        request.fed += fed
+        self._finish(request, logits=logits)
+
+    def _finish(self, request: _Request, logits: torch.Tensor | None = None,
+                error: BaseException | None = None) -> None:
+        request.logits, request.error = logits, error
+        with self._cond:
+            self._active.remove(request)
+        request.done.set()

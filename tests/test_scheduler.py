@@ -1,0 +1,216 @@
+"""The batched scheduler (app.scheduler, app.ragged): rows that share forward passes get exactly what each would
+get alone, whatever joins, leaves, fails or is cancelled beside them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from app.decoding import StopReason
+from app.engine import Engine, EpisodeFinished, Settings, TextDelta
+from app.kvcache import TokenCache
+from app.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Scheduler, plan_step
+from app.tools.registry import Tool, default_tools
+
+
+def wait_for_steps(scheduler: Scheduler, n: int, timeout: float = 60.0) -> None:
+    """Block until the scheduler has run `n` more steps: rows started after it join a batch mid-flight."""
+    end, target = time.monotonic() + timeout, scheduler.stats.steps + n
+    while scheduler.stats.steps < target and time.monotonic() < end:
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ([(1, 1)], [1]),  # a decode step
+    ([(900, 1)], [CHUNK_ALONE]),  # a long prefill alone: big chunks
+    ([(900, 1), (300, 1)], [CHUNK_ALONE, 0]),  # two prefills, no decoding row: one at a time
+    ([(1, 1), (900, 1), (500, 1)], [1, CHUNK_BESIDE_DECODE, 0]),  # beside a decoding row: a small chunk
+    ([(5, 5), (20, 1)], [5, 20]),  # drafts are fed whole; a short prefill fits the budget
+    ([(CHUNK_BESIDE_DECODE + 1, 9), (1, 1)], [CHUNK_BESIDE_DECODE + 1 - 9, 1]),  # the last chunk keeps `keep`
+])
+def test_plan_step_chunks_prefills_beside_decoding_rows(rows, expected):
+    assert plan_step(rows) == expected
+
+
+def greedy_steps(forward, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill `ids`, then decode `steps` greedy tokens; return the tokens and every step's logits."""
+    cache, tokens, logits = TokenCache(ids), [], []
+    for _ in range(steps):
+        out, _, _ = forward(cache)
+        logits.append(out[-1])
+        tokens.append(int(out[-1].argmax()))
+        cache.extend(tokens[-1:])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "real"])
+def test_staggered_rows_of_very_different_lengths_match_the_models_own_forward(which, request, tokenizer):
+    loaded = request.getfixturevalue(which)
+    texts = ["Q: What is 2 + 2?\n", "word " * 1800, "The Jargon File says a kludge is", "Hi"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    # alone, through transformers' own forward pass
+    solo = [greedy_steps(lambda c: c.forward(loaded.model), ids, 12) for ids in prompts]
+    scheduler = Scheduler(loaded.model)
+    assert scheduler.ragged
+    results: list = [None] * len(prompts)
+
+    def row(i):
+        results[i] = greedy_steps(scheduler.forward, prompts[i], 12)
+
+    threads = []
+    for i in range(len(prompts)):
+        threads.append(threading.Thread(target=row, args=(i,)))
+        threads[-1].start()
+        wait_for_steps(scheduler, 3)  # the next row joins three steps later
+    for t in threads:
+        t.join()
+    for (tokens, logits), (solo_tokens, solo_logits) in zip(results, solo):
+        assert tokens == solo_tokens
+        assert max((a - b).abs().max().item() for a, b in zip(logits, solo_logits)) < 1e-4
+    assert scheduler.stats.peak_rows >= 2  # the rows really shared steps
+
+
+def test_a_failing_row_fails_alone_and_its_cache_is_rolled_back(tiny_llama, tokenizer):
+    scheduler = Scheduler(tiny_llama.model)
+    good = [tokenizer.encode("one two three"), tokenizer.encode("four five six seven")]
+    solo = [TokenCache(ids).forward(tiny_llama.model)[0] for ids in good]
+    bad = TokenCache(tokenizer.encode("eight nine"))
+    scheduler.forward(bad)  # cached: 1 of 2
+    bad.extend([len(tokenizer) + 5])  # an id past the vocabulary: the embedding raises
+    caches, out, errors = [TokenCache(ids) for ids in good] + [bad], [None] * 3, [None] * 3
+
+    def row(i):
+        try:
+            out[i] = scheduler.forward(caches[i])[0]
+        except Exception as error:
+            errors[i] = error
+
+    threads = [threading.Thread(target=row, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors[0] is None and errors[1] is None and isinstance(errors[2], IndexError)
+    for logits, expected in zip(out, solo):
+        assert torch.allclose(logits, expected, atol=1e-5)
+    assert bad.cached == 2  # exactly what it covered before the failed pass
+    bad.truncate(3)
+    bad.check()
+
+
+def test_rows_on_a_model_without_the_ragged_pass_still_run_one_by_one(tiny, tokenizer):
+    """tiny: llama (the ragged pass) and gpt2 (one row at a time)."""
+    scheduler = Scheduler(tiny.model)
+    assert scheduler.ragged == (tiny.model.config.model_type == "llama")
+    prompts = [tokenizer.encode(t) for t in ("alpha beta", "gamma delta epsilon", "zeta")]
+    solo = [greedy_steps(lambda c: c.forward(tiny.model), ids, 6)[0] for ids in prompts]
+    results: list = [None] * 3
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, greedy_steps(scheduler.forward,
+                                                                                      prompts[i], 6)[0]))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == solo
+
+
+def test_a_sampled_rows_output_depends_only_on_its_own_seed(tiny_llama):
+    engine = Engine(tiny_llama)
+    sampled = Settings(max_new_tokens=24, max_turns=0, temperature=0.9, seed=7)
+    alone = engine.ask(engine.new_session(seed=7), "Tell me something.", sampled).token_ids
+    others = [Settings(max_new_tokens=30, max_turns=0, temperature=1.2, seed=s) for s in (1, 2, 3)]
+    got: list = []
+    threads = [threading.Thread(target=lambda s=s: engine.ask(engine.new_session(seed=s.seed), "Go on.", s))
+               for s in others]
+    for t in threads:
+        t.start()
+    got.append(engine.ask(engine.new_session(seed=7), "Tell me something.", sampled).token_ids)
+    for t in threads:
+        t.join()
+    assert got[0] == alone
+
+
+def long_tool() -> Tool:
+    """A tool that returns a long text: a long tool result to prefill beside decoding rows."""
+    return Tool("Manual", "returns a long manual page",
+                lambda query: " ".join(f"step {i}: turn the knob of the {query} once." for i in range(100)))
+
+
+ROWS = [  # (question, settings, prompt): every way a row can leave a step
+    ("What is 13 * 7?", Settings(max_new_tokens=48, draft_tokens=8), None),  # <call> inside a draft
+    ("What does grok mean?", Settings(max_new_tokens=48), None),  # a search, then <submit>
+    ("What is 1,250 + 3,780?", Settings(max_new_tokens=48, max_length=1300), None),  # session max_length
+    ("Say yes.", Settings(max_new_tokens=48), "You answer in one word.\n"),  # EOS
+    ("Write a story.", Settings(max_new_tokens=20, max_turns=0), "You write very long stories.\n"),  # max_new_tokens
+    ("Read me the manual for the radio.", Settings(max_new_tokens=24, max_tool_response=4000),
+     "To read a manual write <request><Manual>name<call>.\n\nQ: Read me the manual for the tv.\n"
+     "<request><Manual>tv<call>"),  # a long tool output
+]
+
+
+def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
+    """Greedy rows that join at staggered steps, stop in every way and read long tool output, plus one that is
+    cancelled mid-segment and one with a long history: each episode is token for token its solo run."""
+    tools = {**default_tools(), "Manual": long_tool()}
+    engine = Engine(real, tools=tools)
+    history = engine.new_session()
+    for question in ("What is 6 * 7?", "What is a luser?", "And 100 - 1?"):
+        engine.ask(history, question, Settings(max_new_tokens=48))
+    rows = [(engine.new_session(prompt), q, s) for q, s, prompt in ROWS]
+    rows.append((history, "What is 2 ** 10?", Settings(max_new_tokens=48)))
+    solo = []
+    for session, question, settings in rows:
+        twin = session.fork()
+        solo.append(engine.ask(twin, question, settings))
+    cancelled = engine.new_session("You write very long stories.\n")
+    cancel = threading.Event()
+    episodes: list = [None] * len(rows)
+
+    def run(i):
+        session, question, settings = rows[i]
+        episodes[i] = engine.ask(session, question, settings)
+
+    def run_cancelled():
+        for event in engine.turn(cancelled, "Write a long story.", Settings(max_new_tokens=200, max_turns=0),
+                                 cancel=cancel):
+            if isinstance(event, TextDelta) and engine.loaded.scheduler.stats.steps > started + 12:
+                cancel.set()
+
+    scheduler = engine.loaded.scheduler
+    started = scheduler.stats.steps
+    threads = [threading.Thread(target=run_cancelled)]
+    threads[0].start()
+    for i in range(len(rows)):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        wait_for_steps(scheduler, 2)
+    for t in threads:
+        t.join()
+    assert scheduler.stats.peak_rows >= 4  # they really shared steps
+    for got, want in zip(episodes, solo):
+        assert got.token_ids == want.token_ids, got.question
+        assert [s.stop for s in got.model_segments] == [s.stop for s in want.model_segments]
+    stops = {s.stop.reason for e in episodes for s in e.model_segments}
+    assert {StopReason.STRING_MATCH, StopReason.EOS, StopReason.MAX_LENGTH} <= stops
+    assert any(s.kind == "tool" and s.end - s.start > 300 for s in episodes[5].segments)  # a long tool result
+    assert cancelled.episodes[-1].segments[-1].stop.reason is StopReason.CANCELLED
+    for session in [cancelled] + [row[0] for row in rows]:  # each cache covers a prefix of its own ids
+        assert session.cache.cached <= len(session.cache)
+
+
+def test_a_batch_runs_its_rows_at_once_and_returns_them_in_order(tiny_llama):
+    engine = Engine(tiny_llama)
+    questions = [f"question number {i}" for i in range(8)]
+    settings = Settings(max_new_tokens=12, max_turns=0)
+    solo = [engine.ask(engine.new_session(seed=i), q, settings).token_ids for i, q in enumerate(questions)]
+    before = engine.loaded.scheduler.stats.steps
+    episodes = engine.run(questions, settings)
+    assert [e.token_ids for e in episodes] == solo
+    assert [e.question for e in episodes] == questions
+    assert engine.loaded.scheduler.stats.steps - before < 8 * 12  # fewer steps than one row after another
+    rows = [e.row for e in engine.stream_batch(questions[:3], settings) if isinstance(e, EpisodeFinished)]
+    assert sorted(rows) == [0, 1, 2]
