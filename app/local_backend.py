@@ -31,7 +31,8 @@ class LocalBackend:
         self.special_token_texts = loaded.special_token_texts
         self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
         cfg = loaded.model.config.get_text_config()
-        self.parallel = loaded.scheduler.max_rows
+        # a batch's rows at once where the scheduler batches them into one pass; else one after another
+        self.parallel = loaded.scheduler.max_rows if loaded.scheduler.ragged else 1
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
     def prefill(self, cache: TokenCache) -> None:

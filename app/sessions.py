@@ -11,11 +11,12 @@ after a timeout (by a sweeper thread and on every access), and a session is free
 from __future__ import annotations
 
 import logging
+import itertools
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from app.engine import Session
@@ -70,6 +71,8 @@ class Entry:
     chat_stop: StopSignal = field(default_factory=StopSignal)  # the Chat tab's Stop: chat turns and Compare
     batch_stop: StopSignal = field(default_factory=StopSignal)  # the Batch tab's Stop
     notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
+    waiting: dict[int, str] = field(default_factory=dict)  # sent messages whose turn has not started, by number
+    sent: Iterator[int] = field(default_factory=itertools.count)  # numbers them
     last_used: float = field(default_factory=time.monotonic)
 
     def stop_everything(self) -> None:

@@ -62,10 +62,18 @@ def model_message(segment: Segment) -> dict:
     return {"role": "assistant", "content": f"{_body(segment.text)}\n\n*{segment_footer(segment)}*"}
 
 
+WAITING = "*waiting for the model…*"  # a sent message whose turn has not written its first token yet
+
+
 def pending_model_message(text: str) -> dict:
-    """The model segment being generated, before its stop reason is known."""
+    """The model segment being generated, before its stop reason is known (before its first token: waiting)."""
     body = escape_text(text.strip("\n")) if text.strip() else ""
-    return {"role": "assistant", "content": f"{body}\n\n*generating…*" if body else "*generating…*"}
+    return {"role": "assistant", "content": f"{body}\n\n*generating…*" if body else WAITING}
+
+
+def waiting_messages(question: str) -> list[dict]:
+    """A sent message whose turn has not started (the visitor's previous turn, or other visitors', run)."""
+    return [user_message(question), {"role": "assistant", "content": WAITING}]
 
 
 def tool_title(segment: Segment) -> str:
@@ -108,9 +116,12 @@ def episode_messages(episode: Episode, partial: str | None = None) -> list[dict]
     return messages
 
 
-def chat_messages(episodes: list[Episode], notes: list[str] = (), partial: str | None = None) -> list[dict]:
-    """The whole conversation; `partial` belongs to the last episode."""
+def chat_messages(episodes: list[Episode], notes: list[str] = (), partial: str | None = None,
+                  waiting: list[str] = ()) -> list[dict]:
+    """The whole conversation; `partial` belongs to the last episode; `waiting`: sent messages not started yet."""
     messages = [note_message(n) for n in notes]
     for i, episode in enumerate(episodes):
         messages.extend(episode_messages(episode, partial if i == len(episodes) - 1 else None))
+    for question in waiting:
+        messages.extend(waiting_messages(question))
     return messages

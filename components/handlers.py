@@ -25,7 +25,7 @@ from app.sessions import Entry, SessionStore
 from app.tools.registry import default_tools, get_tools
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
-from components.chat import chat_messages
+from components.chat import chat_messages, waiting_messages
 from components.compare import compare_markdown
 from components.stats import stats_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
@@ -227,9 +227,9 @@ class ChatService:
         return engine, settings.validated(engine.context_limit)
 
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-             request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
+             request: gr.Request, ticket: int | None = None, sent: int | None = None) -> Iterator[tuple]:
         """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `ticket`: the
-        Stop ticket taken when the page submitted it (see submit)."""
+        Stop ticket taken when the page submitted it, `sent`: its number among the waiting messages (submit)."""
         key = request.session_hash
         entry = self.store.get(key)
         message = message or ""
@@ -238,12 +238,14 @@ class ChatService:
         def view(status, textbox=None, partial=None, full=False):
             current = entry.session
             textbox = gr.skip() if textbox is None else textbox
-            chat = chat_messages(current.episodes if current else [], entry.notes, partial)
+            chat = chat_messages(current.episodes if current else [], entry.notes, partial,
+                                 list(entry.waiting.values()))
             if not full:
                 return chat, textbox, status, gr.skip(), gr.skip()
             return chat, textbox, status, self.token_view(current), self.stats(current)
 
         if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent
+            entry.waiting.pop(sent, None)
             yield view("stopped: the message was not sent", textbox=message)
             return
         yield view("running")
@@ -254,6 +256,7 @@ class ChatService:
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             partial: str | None = None
             for event in engine.turn(session, message, settings, cancel=cancel):
+                entry.waiting.pop(sent, None)  # started: the episode shows it from now on
                 if entry.session is not session:  # new chat (or page closed) while this turn ran
                     break
                 if isinstance(event, SegmentStarted):
@@ -268,6 +271,7 @@ class ChatService:
             self.store.enforce_budget(self.shared_kv_bytes())
             yield view("done" if entry.session is session else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
+            entry.waiting.pop(sent, None)
             yield view(failure_status(error, "turn", key), textbox=message, full=True)
 
     def timing(self, request: gr.Request) -> tuple:
@@ -279,10 +283,16 @@ class ChatService:
         order = segment_order(tokens)
         return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order), timing_summary(episodes)
 
-    def submit(self, message: str, request: gr.Request) -> tuple[str, dict]:
+    def submit(self, message: str, chat: list | None, request: gr.Request) -> tuple[str, dict, list]:
         """Runs unqueued the moment the page sends a message: empties the box at once (what the visitor types
-        next is kept, even while this turn waits in the queue) and hands the turn its message and Stop ticket."""
-        return "", {"message": message or "", "ticket": self.ticket(request)}
+        next is kept, even while this turn waits), shows the message in the chat as waiting, and hands the turn
+        its message and Stop ticket."""
+        entry, message = self.store.get(request.session_hash), message or ""
+        submitted = {"message": message, "ticket": entry.chat_stop.ticket(), "sent": next(entry.sent)}
+        if not message.strip():
+            return "", submitted, gr.skip()
+        entry.waiting[submitted["sent"]] = message
+        return "", submitted, [*(chat or []), *waiting_messages(message)]
 
     def ticket(self, request: gr.Request) -> int:
         """A Stop ticket for the Chat tab's work (turns, Compare), taken when the page submits it."""
@@ -297,7 +307,7 @@ class ChatService:
         status (done / error)."""
         submitted = submitted or {}
         for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
-                                temperature, tools, prompt, request, submitted.get("ticket")):
+                                temperature, tools, prompt, request, submitted.get("ticket"), submitted.get("sent")):
             if output[2] == "running":
                 yield (*output, gr.skip(), gr.skip(), gr.skip())
             else:

@@ -117,8 +117,8 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # Submitting (the message box emptied, Stop tickets taken) and Stop must not wait behind running work:
         # their own group, no limit. A ticket lets Stop cancel work still waiting in the queue.
         quick = dict(concurrency_id="stop", concurrency_limit=None, show_progress="hidden", api_visibility="private")
-        send.click(service.submit, msg, [msg, submitted], **quick, api_name="ui_send").then(**turn)
-        msg.submit(service.submit, msg, [msg, submitted], **quick,
+        send.click(service.submit, [msg, chat], [msg, submitted, chat], **quick, api_name="ui_send").then(**turn)
+        msg.submit(service.submit, [msg, chat], [msg, submitted, chat], **quick,
                    api_name="ui_enter").then(**{**turn, "api_name": "ui_submit"})
         stop.click(service.stop, **quick, api_name="ui_stop")
         batch_stop.click(service.stop_batch, **quick, api_name="ui_batch_stop")

@@ -15,7 +15,7 @@ import pytest
 from app.decoding import Limit, Stop, StopReason
 from app.engine import Episode, InputError, Segment, Span, default_prompt_template
 from app.sessions import MB, SessionStore, StoreStats
-from components.chat import (chat_messages, code, escape_text, episode_messages, model_message,
+from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
 from components import handlers
 from components.handlers import ChatService, make_settings, settings_from_dict
@@ -360,18 +360,21 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     after it."""
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
     service.stop(request())  # an old Stop, before anything was submitted, does not count
-    box, submitted = service.submit("go on", request())
+    box, submitted, shown = service.submit("go on", [], request())
     assert box == "" and submitted["message"] == "go on"  # the box empties at once, not when the turn starts
+    assert shown == waiting_messages("go on") and shown[-1]["content"] == WAITING  # in the chat at once, waiting
     chat, _, status, *_ = page_turn(service, submitted)
     assert status == "done" and "stopped by user" not in chat[-1]["content"]
-    queued = [service.submit(text, request())[1] for text in ("second", "third")]
+    queued = [service.submit(text, chat, request())[1] for text in ("second", "third")]
+    assert list(service.store.peek("page-1").waiting.values()) == ["second", "third"]
     service.stop(request())  # pressed while both wait in the queue
     episodes = len(service.store.peek("page-1").session.episodes)
     for payload in queued:
         chat, box, status, *_ = page_turn(service, payload)
         assert status == "stopped: the message was not sent" and box == payload["message"]  # back in the box
     assert len(service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
-    chat, _, status, *_ = page_turn(service, service.submit("after the stop", request())[1], max_new_tokens=3)
+    assert not service.store.peek("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
+    chat, _, status, *_ = page_turn(service, service.submit("after the stop", chat, request())[1], max_new_tokens=3)
     assert status == "done" and chat[-2]["content"] == "after the stop"
     chat, _, status, _, _ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
     assert status == "done" and "stopped by user" not in chat[-1]["content"]
@@ -412,3 +415,20 @@ def test_api_user_mistakes_leave_no_traceback_in_the_log(tiny_llama, caplog):
         service.api_ask("hi", {"tools": ["Nope"]})
     assert caught.value.print_exception is False and "unknown tool" in str(caught.value)
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
+    """Regression: a message sent while another turn ran vanished from the box and did not appear in the chat
+    until its own turn started; the running turn's updates now show it too, as waiting."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    first = service.chat_page(service.submit("first", [], request())[1], True, 4096, 30, 4, 0,
+                              ["Calculator", "Search"], default_prompt_template(), request())
+    next(first), next(first)
+    _, second, shown = service.submit("second", [], request())
+    assert shown[-2:] == waiting_messages("second")
+    chat = next(first)[0]  # the running turn's next update
+    assert chat[-2:] == waiting_messages("second") and chat[0]["content"] == "first"
+    outputs = list(first) + list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
+                                                   default_prompt_template(), request()))
+    chat, _, status, *_ = outputs[-1]
+    assert status == "done" and WAITING not in str(chat) and chat[-2]["content"] == "second"

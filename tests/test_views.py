@@ -245,7 +245,7 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     tokens_plot, ms_plot, summary = service.timing(request())
     assert tokens_plot.value is None or tokens_plot.value["data"] == []
     assert summary == "Timing: no turns yet"
-    submitted = service.submit("What is 41 * 23?", request())[1]
+    submitted = service.submit("What is 41 * 23?", [], request())[1]
     outputs = list(service.chat_page(submitted, *SETTINGS, TOOLS, default_prompt_template(), request()))
     assert all(o[5:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
     assert outputs[-1][2] == "done"
