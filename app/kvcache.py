@@ -11,6 +11,43 @@ import copy
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+GROW_TOKENS = 128  # a layer's storage grows by this much room at a time
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views of storage with room to spare, written in place.
+
+    transformers' DynamicLayer concatenates at every pass, copying the whole layer each decode step (~46 MB at
+    1,000 tokens for the bundled model, per session in the batch); here a step writes only its new positions and
+    the storage is copied only when it grows (every GROW_TOKENS tokens)."""
+
+    _storage: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.get_seq_length()
+        need = n + key_states.shape[-2]
+        if self._storage is None or need > self._storage[0].shape[-2]:
+            room = (need // GROW_TOKENS + 1) * GROW_TOKENS
+            grown = tuple(s.new_empty((*s.shape[:-2], room, s.shape[-1])) for s in (key_states, value_states))
+            if n:
+                grown[0][..., :n, :], grown[1][..., :n, :] = self.keys, self.values
+            self._storage = grown
+        keys, values = self._storage
+        keys[..., n:need, :], values[..., n:need, :] = key_states, value_states
+        self.keys, self.values = keys[..., :need, :], values[..., :need, :]
+        return self.keys, self.values
+
+
+def new_kv(config) -> DynamicCache:
+    """A DynamicCache whose full-attention layers grow in place (sliding-window layers stay as transformers has
+    them)."""
+    kv = DynamicCache(config=config)
+    kv.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in kv.layers]
+    return kv
 
 
 class CacheInvariantError(AssertionError):
@@ -43,7 +80,8 @@ class TokenCache:
         kv = self._kv  # read once: another thread may drop it meanwhile (stats panels)
         if kv is None:
             return 0
-        return sum(t.nbytes for layer in kv.layers if layer.is_initialized for t in (layer.keys, layer.values))
+        return sum(t.untyped_storage().nbytes() for layer in kv.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))  # the storage, spare room included
 
     def extend(self, ids: list[int]) -> None:
         self._ids.extend(ids)
@@ -73,7 +111,7 @@ class TokenCache:
             self._crop(len(self._ids) - 1)
         self.check()
         if self._kv is None:
-            self._kv = DynamicCache(config=config)
+            self._kv = new_kv(config)
         return self._kv, self.cached, self._ids[self.cached:]
 
     def advance(self, n: int) -> None:

@@ -45,10 +45,18 @@ class LocalBackend:
             cache.drop_kv()
         stops, detok = self.stops.start(), Detokenizer(self.tokenizer)
         lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
-        fail = None
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
         # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
         draft_len = max(1, settings.draft_tokens // 2)
+        try:
+            with self.loaded.scheduler.segment():
+                yield from self._steps(cache, settings, cancel, run, generator, stops, detok, lookup, draft_len)
+        finally:
+            if not settings.use_cache:
+                cache.drop_kv()
+
+    def _steps(self, cache, settings, cancel, run, generator, stops, detok, lookup, draft_len) -> Iterator[str]:
+        fail = None
         try:
             while run.stop is None:
                 if cancel is not None and cancel.is_set():
@@ -91,9 +99,6 @@ class LocalBackend:
                 cache.truncate(base)
                 run.stop = fail
             raise
-        finally:
-            if not settings.use_cache:
-                cache.drop_kv()
 
     @staticmethod
     def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:

@@ -15,6 +15,9 @@ still go through here, one row at a time.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,7 @@ from app.kvcache import TokenCache
 MAX_ROWS = 16  # rows per step: more would wait for the next step
 CHUNK_BESIDE_DECODE = 32  # prefill tokens per step while other rows decode (~ one decode step's work)
 CHUNK_ALONE = 512  # prefill tokens per step when no row is decoding (bounds a pass's activation memory)
+GATHER_S = 0.02  # how long a step waits for rows still choosing their last token (a fraction of a step)
 
 
 @dataclass(eq=False)
@@ -76,6 +80,20 @@ class Scheduler:
         self._active: list[_Request] = []  # being prefilled in chunks: owned by the scheduler's thread
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._segments = 0  # rows inside a segment (see segment()): their next pass is worth waiting for
+
+    @contextmanager
+    def segment(self) -> Iterator[None]:
+        """Bracket a row's segment: between two of its passes (choosing a token, checking stops) the next step
+        waits up to GATHER_S for it, so that rows decoding together stay in one pass instead of alternating."""
+        with self._cond:
+            self._segments += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._segments -= 1
+                self._cond.notify()
 
     def forward(self, cache: TokenCache, keep: int = 1) -> tuple[torch.Tensor, int, int]:
         """Feed `cache`'s uncached ids in the next steps; return (logits of the last `keep` positions, tokens
@@ -99,6 +117,9 @@ class Scheduler:
             with self._cond:
                 while not self._waiting and not self._active:
                     self._cond.wait()
+                deadline = time.monotonic() + GATHER_S
+                while len(self._waiting) + len(self._active) < self._segments and time.monotonic() < deadline:
+                    self._cond.wait(max(0.0, deadline - time.monotonic()))
                 room = self.max_rows - len(self._active)
                 self._active += self._waiting[:room]
                 del self._waiting[:room]

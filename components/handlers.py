@@ -21,7 +21,7 @@ from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.server_backend import ServerBackend
-from app.sessions import Entry, SessionStore
+from app.sessions import MB, Entry, SessionStore
 from app.tools.registry import default_tools, get_tools
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
@@ -413,6 +413,20 @@ class ChatService:
             return engine.ask(session, question, values).to_json()
         except Exception as error:  # API boundary: the client gets the message, the log the traceback
             raise api_error(error, "/ask") from None
+
+    def api_stats(self) -> dict:
+        """The server's load, for monitoring (the load test polls it): sessions, their KV against the budget,
+        and how many rows the in-process scheduler batches into a step."""
+        store = self.store.stats(self.shared_kv_bytes())
+        backend = self._backend
+        out = {"sessions": store.sessions, "kv_mb": round(store.kv_bytes / MB, 2),
+               "shared_kv_mb": round(store.shared_bytes / MB, 2), "budget_mb": round(store.budget_bytes / MB, 2)}
+        scheduler = getattr(getattr(backend, "loaded", None), "scheduler", None)
+        if scheduler is not None:
+            stats = scheduler.stats
+            out["scheduler"] = {"steps": stats.steps, "mean_rows": round(stats.rows / max(1, stats.steps), 2),
+                                "peak_rows": stats.peak_rows}
+        return out
 
     def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
         """Continue this API client's chat (one per client session); yields the growing text of the turn."""

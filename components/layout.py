@@ -142,5 +142,6 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
 
         gr.api(service.api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=turns)
         gr.api(service.api_ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=turns)
+        gr.api(service.api_stats, api_name="stats", concurrency_id="stats", concurrency_limit=None)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return demo

@@ -1,0 +1,128 @@
+"""Many chats at once on the in-process model: what the batched scheduler gives, ratios from one run.
+
+    python3 benchmarks/concurrency_bench.py                 # 1, 2, 4, 8 chats; then the batch of 8 (~6-10 min)
+    python3 benchmarks/concurrency_bench.py --chart FILE.png  # ... and a chart of tokens/s and p95 TTFT
+
+Each chat is a fresh session on the default prompt, greedy, the page's settings; it asks a calculator question
+and then a look-up, each with numbers / words of its own. All chats of a round send their first question at the
+same moment. Measured per question: time to first text (TTFT) and turn time; per round: generated tokens per
+second over the whole round. Then `Engine.run` with 8 questions against the same 8 one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.engine import Engine, Settings, TextDelta  # noqa: E402
+from app.model import load_model  # noqa: E402
+
+PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
+WORDS = ["kludge", "cruft", "foobar", "wizard", "daemon", "frob", "hack", "bogus"]
+
+
+def questions(chat: int) -> list[str]:
+    return [f"What is {17 + chat} * {23 + 2 * chat}?", f"What does {WORDS[chat % len(WORDS)]} mean?"]
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def run_chat(engine: Engine, chat: int, start: threading.Barrier | None, out: list) -> None:
+    session = engine.new_session()
+    if start is not None:
+        start.wait()
+    for turn, question in enumerate(questions(chat)):
+        sent, first = time.perf_counter(), None
+        for event in engine.turn(session, question, PAGE):
+            if first is None and isinstance(event, TextDelta):
+                first = time.perf_counter()
+        episode = session.episodes[-1]
+        out.append(dict(chat=chat, turn_no=turn, ttft=(first or time.perf_counter()) - sent, turn=time.perf_counter() - sent,
+                        tokens=sum(s.generated_tokens for s in episode.model_segments), answer=episode.answer))
+
+
+def round_of(engine: Engine, chats: int) -> dict:
+    start, out = threading.Barrier(chats + 1), []
+    threads = [threading.Thread(target=run_chat, args=(engine, c, start, out)) for c in range(chats)]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - began
+    first_turns = [r["ttft"] for r in out if r["turn_no"] == 0]  # the questions sent at the same moment
+    return dict(chats=chats, seconds=seconds, tokens=sum(r["tokens"] for r in out), ttft_p95=p95(first_turns),
+                turn_p95=p95([r["turn"] for r in out]), rows=out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chats", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--chart", type=Path, help="write a chart of tokens/s and p95 TTFT to this file")
+    args = parser.parse_args()
+    engine = Engine(load_model())
+    engine.ask(engine.new_session(), "What is 1 + 1?", PAGE)  # warm up: the shared prompt cache, first passes
+    alone: list = []  # every chat by itself, for its own turn times
+    for chat in range(max(args.chats)):
+        run_chat(engine, chat, None, alone)
+    solo_turn = {(r["chat"], r["turn_no"]): r["turn"] for r in alone}
+    rounds = [round_of(engine, n) for n in args.chats]
+    solo = rounds[0]
+    print(f"| chats at once | tokens generated | tokens/s | × 1 chat | p95 TTFT, s | × 1 chat | p95 turn, s | "
+          f"worst turn / its solo turn |")
+    print("|---|---|---|---|---|---|---|---|")
+    base_tps = solo["tokens"] / solo["seconds"]
+    for r in rounds:
+        tps = r["tokens"] / r["seconds"]
+        worst = max(row["turn"] / solo_turn[row["chat"], row["turn_no"]] for row in r["rows"])
+        print(f"| {r['chats']} | {r['tokens']} | {tps:.1f} | {tps / base_tps:.2f} | {r['ttft_p95']:.2f} | "
+              f"{r['ttft_p95'] / solo['ttft_p95']:.2f} | {r['turn_p95']:.2f} | {worst:.2f} |")
+
+    batch_questions = [questions(c)[c % 2] for c in range(8)]
+    began = time.perf_counter()
+    one_by_one = [engine.ask(engine.new_session(), q, PAGE) for q in batch_questions]
+    sequential = time.perf_counter() - began
+    began = time.perf_counter()
+    batched = engine.run(batch_questions, PAGE)
+    together = time.perf_counter() - began
+    same = all(a.token_ids == b.token_ids for a, b in zip(one_by_one, batched))
+    print(f"\nEngine.run, 8 questions: one after another {sequential:.1f} s, as one batch {together:.1f} s "
+          f"({sequential / together:.2f}× faster); same tokens: {same}")
+    stats = engine.loaded.scheduler.stats
+    print(f"scheduler: {stats.steps} steps, mean {stats.rows / max(1, stats.steps):.2f} rows a step, "
+          f"peak {stats.peak_rows}")
+    if args.chart:
+        chart(rounds, args.chart)
+    return 0
+
+
+def chart(rounds: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chats = [r["chats"] for r in rounds]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    left.plot(chats, [r["tokens"] / r["seconds"] for r in rounds], marker="o")
+    left.set(xlabel="chats at once", ylabel="generated tokens/s", title="Throughput", xticks=chats)
+    right.plot(chats, [r["ttft_p95"] for r in rounds], marker="o", color="tab:orange")
+    right.set(xlabel="chats at once", ylabel="seconds", title="p95 time to first text", xticks=chats)
+    right.set_ylim(bottom=0)
+    left.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"chart: {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
