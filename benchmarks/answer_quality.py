@@ -6,8 +6,9 @@
 
 Each question runs greedy in a fresh session (the page's first turn). The reported ("test") look-ups are
 Jargon File headwords that appear nowhere in the system prompt; their key phrases were written from each
-entry's opening sense before any run. The "dev" set (the words of the issue that reported the problem) is the
-one prompt changes were tried on.
+entry's opening sense before any run. The "dev" set (the look-up words of the issue that reported the problem,
+and arithmetic and chit-chat questions of its own, written before any run) is the one changes are tried on, so
+that no reported question, look-up, arithmetic or greeting, is tuned on.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ LOOKUPS = {
     ],
 }
 
-ARITHMETIC = [
+ARITHMETIC = {"test": [
     ("What is 57 * 38?", "2166"), ("What is 1,024 + 2,048?", "3072"), ("What is 900 / 36?", "25"),
     ("How much is 25% of 640?", "160"), ("What is 3 to the power of 7?", "2187"),
     ("What is the square root of 729?", "27"), ("What is 7,342 - 2,918?", "4424"), ("What is 12 * 12 * 12?", "1728"),
@@ -85,10 +86,19 @@ ARITHMETIC = [
     ("What is 17 + 38?", "55"), ("What is 4,096 / 64?", "64"), ("What is 73 - 29?", "44"),
     ("What is the square root of 2025?", "45"), ("What is 14 * 15?", "210"), ("What is 360 / 8?", "45"),
     ("What is 2.5 * 4?", "10"),
-]
+], "dev": [
+    ("What is 48 * 27?", "1296"), ("What is 2,500 + 7,500?", "10000"), ("What is 144 / 12?", "12"),
+    ("How much is 20% of 350?", "70"), ("What is 5 to the power of 4?", "625"),
+    ("What is the square root of 169?", "13"), ("What is 8,000 - 3,250?", "4750"), ("What is (9 + 6) * 4?", "60"),
+    ("What is 250 + 375 + 125?", "750"), ("What is 63 / 7?", "9"), ("What is 36 * 25?", "900"),
+    ("What is 30% of 90?", "27"), ("What is 88 - 19?", "69"), ("What is 1.5 * 6?", "9"), ("What is 11 * 11?", "121"),
+    ("What is 7,200 / 80?", "90"),
+]}
 
-CHITCHAT = ["Hello, who are you?", "Hello! What can you do?", "Hi!", "Good morning!", "Thanks, that helps.",
-            "How are you today?", "What is your name?", "Tell me about yourself."]
+CHITCHAT = {"test": ["Hello, who are you?", "Hello! What can you do?", "Hi!", "Good morning!", "Thanks, that helps.",
+                     "How are you today?", "What is your name?", "Tell me about yourself."],
+            "dev": ["Hey there!", "Thank you!", "Good evening!", "Who made you?", "Nice to meet you.", "What's up?",
+                    "Can you help me?", "Goodbye!"]}
 
 
 @dataclass
@@ -154,8 +164,8 @@ def main() -> int:
     seconds: list[float] = []
     began = time.perf_counter()
     work = ([("look-up", q, lambda e, k=k: lookup_row(e, k, settings)) for q, k in LOOKUPS[args.set]]
-            + [("arithmetic", q, lambda e, x=x: arithmetic_row(e, x, settings)) for q, x in ARITHMETIC]
-            + [("chit-chat", q, lambda e: chitchat_row(e, settings)) for q in CHITCHAT])
+            + [("arithmetic", q, lambda e, x=x: arithmetic_row(e, x, settings)) for q, x in ARITHMETIC[args.set]]
+            + [("chit-chat", q, lambda e: chitchat_row(e, settings)) for q in CHITCHAT[args.set]])
     for kind, question, score in work:
         episode = engine.ask(engine.new_session(), question, settings)
         row = score(episode)
@@ -171,9 +181,9 @@ def main() -> int:
     print(f"| look-up ({args.set}) | {len(look.rows)} | `<submit>` after exactly one search | {look.rate('clean')} |")
     print(f"| | | answer holds a key phrase of the definition | {look.rate('key')} |")
     print(f"| | | reached max_turns or max_length | {look.rate('limits')} |")
-    print(f"| arithmetic | {len(calc.rows)} | calculator called | {calc.rate('calc')} |")
+    print(f"| arithmetic ({args.set}) | {len(calc.rows)} | calculator called | {calc.rate('calc')} |")
     print(f"| | | correct | {calc.rate('correct')} |")
-    print(f"| chit-chat | {len(chat.rows)} | no tool call | {chat.rate('no_tool')} |")
+    print(f"| chit-chat ({args.set}) | {len(chat.rows)} | no tool call | {chat.rate('no_tool')} |")
     print(f"| | | ended with `<submit>` or EOS | {chat.rate('ended')} |")
     print(f"| | | reached max_turns or max_length | {chat.rate('limits')} |")
     return 0
