@@ -138,6 +138,9 @@ ATTACKS = [
     ("=", "empty"),
     ("1 +", "could not parse"),
     ("1\x00", "could not parse"),
+    # Regression: "Define heisenbug." sent the word to the Calculator, whose parse error did not say what to do
+    ("heisenbug", "'heisenbug' is words, not arithmetic; to look up what a word means, use Search"),
+    ("yak shaving", "is words, not arithmetic"),
 ]
 
 
@@ -148,6 +151,14 @@ def test_rejects(expression: str, message: str) -> None:
     text = str(info.value)
     assert message in text
     assert 0 < len(text) <= 200  # short enough for the model to read
+
+
+@pytest.mark.parametrize("expression", ["pi", "sqrt(pi)", "e", "x"])
+def test_names_are_not_taken_for_a_look_up(expression: str) -> None:
+    try:
+        calculate(expression)
+    except ToolError as error:
+        assert "words" not in str(error)
 
 
 def test_non_text_input_is_rejected() -> None:

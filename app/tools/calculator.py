@@ -19,6 +19,7 @@ integral). Floats are printed with 12 significant digits, so `0.1+0.2` gives `0.
 from __future__ import annotations
 
 import ast
+import keyword
 import math
 import re
 from decimal import Decimal, localcontext
@@ -331,6 +332,19 @@ def _prepare(expression: str) -> str:
     return _PERCENT_OF.sub(r"(\1/100)*", text)
 
 
+# A word or a phrase and nothing else ("heisenbug", "yak shaving"): a look-up sent to the wrong tool.
+_WORDS = re.compile(r"[A-Za-z][A-Za-z' -]*[A-Za-z]")
+
+
+def _not_words(text: str) -> None:
+    """Reject a bare word or phrase with a message that names the tool for it: a small model that sent a look-up
+    here reads the error and can search instead. (Constants and function names are arithmetic: `pi`.)"""
+    words = text.split()
+    if (_WORDS.fullmatch(text) and not {w.lower() for w in words} & (set(CONSTANTS) | set(FUNCTIONS))
+            and not any(keyword.iskeyword(w) for w in words)):  # True, lambda: the parser's own messages
+        raise _error(f"{text!r} is words, not arithmetic; to look up what a word means, use Search")
+
+
 def _parse(text: str) -> ast.Expression:
     try:
         return ast.parse(text, mode="eval")
@@ -446,6 +460,7 @@ def calculate(expression: str) -> str:
     text = _prepare(expression)
     if not text:
         raise _error("empty expression: write arithmetic like 12*(3+4)")
+    _not_words(text)
     tree = _parse(text)
     _check(tree)
     try:
