@@ -119,7 +119,7 @@ def score(rows: list[dict], sessions: int, turns: int) -> dict:
         own += str(row["expected"]) in digits
         theirs = set().union(*(numbers_of(s, turns) for s in range(sessions) if s != row["session"]))
         others += bool(digits & theirs)
-    return dict(turns=len(rows), errors=sum(1 for r in rows if r["error"]), own=own, leaks=others)
+    return dict(answered=len(rows), errors=sum(1 for r in rows if r["error"]), own=own, leaks=others)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -152,14 +152,15 @@ def phase(budget_mb: str | None, sessions: int, turns: int) -> dict:
                 proc.kill()
         text = log.read_text(errors="replace")
     solo_seconds = sum(r["seconds"] for r in solo)
-    result = dict(budget_mb=peak.get("budget_mb", budget_mb), sessions=sessions, turns=turns, **score(rows, sessions, turns),
-                  solo_ttft=statistics_of([r["ttft"] for r in solo]), solo_turn=statistics_of([r["seconds"] for r in solo]),
-                  ttft=statistics_of([r["ttft"] for r in rows]), turn=statistics_of([r["seconds"] for r in rows]),
-                  turns_per_s=len(rows) / seconds, solo_turns_per_s=len(solo) / solo_seconds,
-                  tracebacks=text.count("Traceback"), kv_peak_mb=peak.get("kv_mb"), scheduler=peak.get("scheduler"),
-                  solo_errors=sum(1 for r in solo if r["error"]),
-                  error_samples=[r["error"] for r in rows if r["error"]][:3])
-    return result
+    return dict(budget_mb=peak.get("budget_mb", budget_mb), sessions=sessions, turns=turns,
+                **score(rows, sessions, turns), solo_errors=sum(1 for r in solo if r["error"]),
+                solo_ttft=statistics_of([r["ttft"] for r in solo]), solo_turn=statistics_of([r["seconds"] for r in solo]),
+                ttft=statistics_of([r["ttft"] for r in rows]), turn=statistics_of([r["seconds"] for r in rows]),
+                turns_per_s=len(rows) / seconds, solo_turns_per_s=len(solo) / solo_seconds,
+                tracebacks=text.count("Traceback"), kv_peak_mb=peak.get("kv_mb"), scheduler=peak.get("scheduler"),
+                error_samples=[r["error"] for r in rows if r["error"]][:3],
+                wrong_samples=[(question(r["session"], r["turn"])[0], r["answer"]) for r in rows
+                               if not r["error"] and str(r["expected"]) not in r["answer"].replace(",", "")][:3])
 
 
 def statistics_of(values: list[float]) -> dict:
@@ -171,7 +172,7 @@ def report(results: list[dict]) -> None:
           "| p95 vs solo | p50 / p95 turn, s | turns/s vs solo | tracebacks | KV peak, MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['budget_mb']} | {r['sessions']} × {r['turns']} | {r['errors']} | {r['own']}/{r['turns']} "
+        print(f"| {r['budget_mb']} | {r['sessions']} × {r['turns']} | {r['errors']} | {r['own']}/{r['answered']} "
               f"| {r['leaks']} | {r['ttft']['p50']} / {r['ttft']['p95']} (solo {r['solo_ttft']['p95']}) "
               f"| {r['ttft']['p95'] / max(r['solo_ttft']['p95'], 1e-9):.1f}× "
               f"| {r['turn']['p50']} / {r['turn']['p95']} (solo {r['solo_turn']['p95']}) "
