@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from app.decoding import Stop
-from app.kvcache import TokenCache
 
 if TYPE_CHECKING:
     import torch
 
-    from app.engine import Settings
+    from app.kvcache import TokenCache
+    from app.settings import Settings
 
 
 class BackendError(ValueError):

@@ -1,4 +1,8 @@
-"""Command line: run episodes (`ask`) or a single tool (`tool`). User mistakes print one line to stderr."""
+"""Command line: run episodes (`ask`) or a single tool (`tool`). User mistakes print one line to stderr.
+
+Import-light: `--help`, `tool` and argument errors never import torch, transformers or gradio; `ask` imports the
+model stack (app.engine, app.backend) only when it runs.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-from app.engine import (Episode, EpisodeFinished, InputError, SegmentFinished, Settings, TextDelta, clean_question,
-                        in_row_order)
-from app.episode import count_text
+from app.episode import Episode, EpisodeFinished, SegmentFinished, TextDelta, count_text
+from app.settings import Settings, clean_question
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,8 +70,6 @@ def _tool(args) -> int:
 
 
 def _ask(args) -> int:
-    from app.backend import load_backend
-    from app.engine import Engine
     from app.tools.registry import get_tools
 
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
@@ -81,6 +82,9 @@ def _ask(args) -> int:
         clean_question(question)
     tools = get_tools(args.tools.split(",") if args.tools else None)
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
+    from app.backend import load_backend  # the model stack (torch, transformers): only past the checks above
+    from app.engine import Engine, in_row_order
+
     engine = Engine(load_backend(), tools=tools, prompt=prompt)
     settings.validated(engine.context_limit)
     for event in in_row_order(engine.stream_batch(args.questions, settings)):  # the rows run at once

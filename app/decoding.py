@@ -10,8 +10,10 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class StopReason(str, enum.Enum):
@@ -224,6 +226,8 @@ class PromptLookup:
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0, else nucleus sampling."""
+    import torch  # here, not at the top: Stop and the other records here are imported by the light CLI commands
+
     if temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)

@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import dataclass
 from itertools import count
 from typing import Generator
 
@@ -30,46 +29,9 @@ from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.prompt import PromptError, default_prompt_template, render_prompt
 from app.protocol import CALL, CUT_STOPS, RESPONSE, ToolCallError, encode, neutralize, parse_tool_call
+from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
+                          require_utf8)
 from app.tools.registry import Tool, default_tools, run_tool
-
-MAX_QUESTION_CHARS = 4000
-MIN_TEMPERATURE = 0.01  # below it sampling is greedy in all but name, and tiny values overflow logits / temperature
-
-
-class InputError(ValueError):
-    """A user mistake (empty message, full context, bad setting): shown as a message, never a traceback."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Generation parameters of one turn. Frozen: a change is a new value, never a mutation of shared config."""
-
-    max_new_tokens: int = 64  # per model segment
-    max_length: int = 4096  # token budget of the whole session: prompt + history + this turn
-    max_turns: int = 4  # tool calls per answer
-    max_tool_response: int = 400  # characters of tool output the model reads
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    use_cache: bool = True
-    seed: int = 0
-    draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
-
-    def validated(self, context_limit: int) -> "Settings":
-        checks = [
-            (1 <= self.max_new_tokens <= 4096, "max_new_tokens must be between 1 and 4096"),
-            (1 <= self.max_length <= context_limit, f"max_length must be between 1 and {context_limit}"),
-            (0 <= self.max_turns <= 32, "max_turns must be between 0 and 32"),
-            (1 <= self.max_tool_response <= 20000, "max_tool_response must be between 1 and 20000"),
-            (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 5,
-             f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 5"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
-            (0 <= self.seed < 2**63, "seed must be between 0 and 2**63 - 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InputError(message)
-        return self
 
 
 class Session:
@@ -98,28 +60,6 @@ class Session:
             spans.append(Span("user", episode.query_start, episode.query_end))
             spans.extend(Span(s.kind, s.start, s.end) for s in episode.segments)
         return [s for s in spans if s.end > s.start]
-
-
-def require_utf8(text: str, what: str) -> str:
-    """Text the tokenizer can take. Lone surrogates (bytes a terminal could not decode, or a JSON "\\ud800")
-    make it raise a bare TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError(f"{what} is not valid UTF-8 text") from None
-    return text
-
-
-def clean_question(question: str) -> str:
-    """The question as the engine takes it, or a clear InputError."""
-    if not isinstance(question, str):
-        raise InputError("the message must be text")
-    question = require_utf8(question, "the message").strip()
-    if not question:
-        raise InputError("the message is empty")
-    if len(question) > MAX_QUESTION_CHARS:
-        raise InputError(f"the message is too long ({len(question)} characters, at most {MAX_QUESTION_CHARS})")
-    return question
 
 
 class Engine:

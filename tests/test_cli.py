@@ -74,6 +74,40 @@ def test_tool_command(args, expected):
     assert out.returncode == 0 and out.stdout.startswith(expected)
 
 
+# Runs the CLI as `python -m app` does, then reports its exit code and which heavy packages it imported.
+_RUN_AND_LIST_IMPORTS = """
+import json, runpy, sys
+sys.argv = ["python -m app", *json.loads(sys.argv[1])]
+code = 0
+try:
+    runpy.run_module("app", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers", "gradio"})
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--help"], 0),
+    (["ask", "--help"], 0),
+    (["tool", "Calculator", "2+3"], 0),
+    (["tool", "search", "kludge"], 0),
+    (["tool", "nosuch", "x"], 1),
+    (["ask"], 2),
+    (["ask", "   "], 2),
+    (["ask", "hi", "--max-new-tokens", "0"], 2),
+    (["ask", "hi", "--tools", "Teleport"], 2),
+    (["ask", "hi", "--prompt", "/nonexistent/prompt.txt"], 2),
+])
+def test_help_tool_and_mistakes_never_import_the_model_stack(args, code):
+    """`--help`, `tool` and argument errors start in a fraction of a second: only `ask` that runs loads torch."""
+    out = subprocess.run([sys.executable, "-c", _RUN_AND_LIST_IMPORTS, json.dumps(args)], capture_output=True,
+                         text=True, timeout=120)
+    report = json.loads(out.stderr.splitlines()[-1])
+    assert report == {"code": code, "heavy": []}, out.stderr
+
+
 def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
     from app.engine import render_prompt
     from app.protocol import encode
