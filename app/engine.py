@@ -147,6 +147,8 @@ class Engine:
             )
         episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache, self.backend.name)
         cache.extend(query_ids)
+        if settings.use_cache and cache.cached == 0:  # evicted: the shared prompt's part need not be recomputed
+            self._reuse_prompt(cache)
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
@@ -163,6 +165,11 @@ class Engine:
             episode.token_ids = cache.ids[episode.query_start:]
             episode.finished = True
         yield EpisodeFinished(row, episode)
+
+    def _reuse_prompt(self, cache: TokenCache) -> None:
+        with self._prompt_lock:
+            bases = list(self._prompt_caches.values())
+        any(cache.reuse(base) for base in bases)
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
                        cancel: threading.Event | None, row: int) -> Generator[Event, None, Segment]:

@@ -102,6 +102,15 @@ class TokenCache:
         other._kv_ids = list(self._kv_ids)
         return other
 
+    def reuse(self, prefix: "TokenCache") -> bool:
+        """A session that lost its keys/values (evicted) and whose ids start with `prefix`'s cached ids (the shared
+        system prompt) copies those instead of recomputing them; its own tokens are prefilled as usual."""
+        n = prefix.cached
+        if self._kv is not None or not n or n >= len(self._ids) or self._ids[:n] != prefix._kv_ids:
+            return False
+        self._kv, self._kv_ids = copy.deepcopy(prefix._kv), list(prefix._kv_ids)
+        return True
+
     def pending(self, config) -> tuple[DynamicCache, int, list[int]]:
         """Before a forward pass: (the cache to extend, how many ids it covers, the uncached ids to feed).
 

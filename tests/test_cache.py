@@ -172,3 +172,20 @@ def test_compare_runs_both_ways_on_forks_and_leaves_the_session_alone(tiny):
     assert result.identical and result.cached.answer == result.uncached.answer
     assert result.cached.prefill_tokens < result.uncached.prefill_tokens
     assert result.uncached.reused_tokens == 0
+
+
+def test_an_evicted_session_copies_the_shared_prompt_and_prefills_only_its_own_tokens(tiny_llama):
+    """Regression (load test, 20 chats in a 512 MB budget): a session whose cache the budget dropped recomputed
+    the whole system prompt at its next turn, ~1,150 tokens on the default prompt, for every evicted session."""
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    session = engine.new_session()
+    engine.ask(session, "hello", Settings(max_new_tokens=5))
+    twin = session.fork()
+    session.cache.drop_kv()  # what the store does past its budget
+    before = len(session.cache)
+    episode = engine.ask(session, "again", Settings(max_new_tokens=5))
+    assert episode.token_ids == engine.ask(twin, "again", Settings(max_new_tokens=5)).token_ids
+    first = episode.segments[0]
+    assert first.cached_tokens == session.prompt_tokens
+    assert first.prefill_tokens == episode.query_end - session.prompt_tokens == before - session.prompt_tokens + (
+        episode.query_end - episode.query_start)
