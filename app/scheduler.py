@@ -25,7 +25,7 @@ import torch
 from app import ragged
 from app.kvcache import TokenCache
 
-MAX_ROWS = 16  # rows per step: more would wait for the next step
+MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a row to leave
 CHUNK_BESIDE_DECODE = 64  # prefill tokens per step while other rows decode (~ one batched decode step's work)
 CHUNK_ALONE = 512  # prefill tokens per step when no row is decoding (bounds a pass's activation memory)
 GATHER_S = 0.02  # how long a step waits for rows still choosing their last token (a fraction of a step)

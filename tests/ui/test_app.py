@@ -173,6 +173,23 @@ def test_stop_cancels_generation(open_page):
     send(page, "Hi")  # the session is still consistent and usable
 
 
+def test_two_visitors_sending_at_once_both_see_their_message_waiting_then_their_own_answer(open_page):
+    """Regression: a message sent while another visitor's turn ran vanished from the box and did not appear in
+    the chat until that turn ended ("queue: 1/1" below the buttons was the only sign); turns now run together."""
+    one, two = open_page(), open_page()
+    for page, text in ((one, "What is 12 * 12?"), (two, "What is 21 * 3?")):
+        page.locator("#msg textarea").fill(text)
+    one.locator("#send").click()
+    two.locator("#send").click()
+    for page, text in ((one, "What is 12 * 12?"), (two, "What is 21 * 3?")):
+        expect(user_messages(page)).to_have_text([text], timeout=5_000)  # at once, not after the other's turn
+        expect(bot_messages(page).last).to_contain_text(re.compile("waiting for the model|generating|stop:"))
+    two.screenshot(path=str(OUT / "two-visitors.png"), full_page=True)
+    for page, answer in ((one, "144"), (two, "63")):
+        expect(page.locator("#status")).to_have_text(FINAL, timeout=TURN_MS)
+        assert answer in model_parts(page)[-1]
+
+
 def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_kept(open_page):
     """Regressions: Send during a running turn was dropped (Gradio's trigger_mode "once"); the box was emptied
     when a queued turn started, erasing what the visitor had typed since (and quick sends lost a message)."""
