@@ -245,4 +245,6 @@ def test_gradio_client_ask_returns_episode_json(app_url):
     chunks = list(client.submit("What is 2 + 2?", None, api_name="/chat"))  # settings None, as in the README
     assert "<request><Calculator>" in chunks[-1] and "4<response>" in chunks[-1]
     api = client.view_api(print_info=False, return_format="dict")
-    assert set(api["named_endpoints"]) == {"/chat", "/ask"} and not api["unnamed_endpoints"]
+    assert set(api["named_endpoints"]) == {"/chat", "/ask", "/stats"} and not api["unnamed_endpoints"]
+    stats = client.predict(api_name="/stats")
+    assert stats["sessions"] >= 1 and stats["budget_mb"] > 0 and stats["scheduler"]["steps"] > 0

@@ -88,7 +88,7 @@ def test_batch_stop_button_stops_the_run(open_page):
     expect(page.locator("#batch-questions textarea")).to_have_value(re.compile(r"\| 943\n"))
     page.locator("#batch-run").click()
     status = page.locator("#batch-status")
-    expect(status).to_contain_text("running: cache on, 1/", timeout=TURN_MS)
+    expect(status).to_contain_text("running", timeout=TURN_MS)  # (the rows run at once: they finish together)
     page.locator("#batch-stop").click()
     expect(status).to_have_text("done (stopped by user)", timeout=TURN_MS)
     expect(page.locator("#batch-summary")).not_to_contain_text("cache off")  # the second pass never ran
