@@ -77,7 +77,7 @@ class Scheduler:
         self.ragged = ragged.supports(model)
         self.stats = SchedulerStats()
         self._waiting: list[_Request] = []
-        self._active: list[_Request] = []  # being prefilled in chunks: owned by the scheduler's thread
+        self._active: list[_Request] = []  # taken into steps until their pass is done (a prefill may take several)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._segments = 0  # rows inside a segment (see segment()): their next pass is worth waiting for

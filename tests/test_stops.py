@@ -292,7 +292,9 @@ def test_a_model_error_mid_segment_is_recorded_and_the_session_goes_on(tiny_llam
     assert segment.end == len(session.cache) == before + (episode.query_end - episode.query_start) + 3
     session.cache.check()  # the cache was dropped, not left half-updated
     nxt = engine.ask(session, "again", Settings(max_new_tokens=3))  # recomputes the dropped cache, then goes on
-    assert nxt.segments[0].generated_tokens == 3 and nxt.segments[0].prefill_tokens == nxt.segments[0].start
+    first = nxt.segments[0]  # (the system prompt's part is copied from the shared prefilled prompt)
+    assert first.generated_tokens == 3 and first.cached_tokens == session.prompt_tokens
+    assert first.prefill_tokens == first.start - session.prompt_tokens
 
 
 def test_settings_reject_a_seed_torch_cannot_take(tiny_llama):
