@@ -273,7 +273,7 @@ class Engine:
             finally:
                 events.put(row)  # this row is done
 
-        workers = min(len(questions), getattr(self.backend, "parallel", 1))
+        workers = min(len(questions), self.backend.parallel)
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="batch-row") as pool:
             try:
                 for row, question in enumerate(questions):

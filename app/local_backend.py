@@ -48,57 +48,53 @@ class LocalBackend:
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
         # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
         draft_len = max(1, settings.draft_tokens // 2)
-        try:
-            with self.loaded.scheduler.segment():
-                yield from self._steps(cache, settings, cancel, run, generator, stops, detok, lookup, draft_len)
-        finally:
-            if not settings.use_cache:
-                cache.drop_kv()
-
-    def _steps(self, cache, settings, cancel, run, generator, stops, detok, lookup, draft_len) -> Iterator[str]:
         fail = None
         try:
-            while run.stop is None:
-                if cancel is not None and cancel.is_set():
-                    run.stop = Stop(StopReason.CANCELLED)
-                    break
-                base = len(cache)
-                fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
-                generated = run.generated_tokens
-                room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
-                drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
-                cache.extend(drafts)
-                # one step of the scheduler's batched pass, beside every other session's rows
-                logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
-                if generated == 0:
-                    run.prefill_tokens, run.cached_tokens = fed, hit
-                tokens = self._choose(logits, drafts, settings, generator)
-                if drafts:
-                    full = len(tokens) > len(drafts)
-                    draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
-                cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-                cache.extend(tokens[-1:])
-                deltas = []
-                with self.lock:  # the tokenizer
-                    for i, token in enumerate(tokens):  # each new token is checked in order
-                        run.generated_tokens += 1
-                        deltas.append(detok.push(token))
-                        run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
-                                               base + i + 1, settings.max_length)
-                        if run.stop is not None:
-                            cache.truncate(base + i + 1)  # nothing after the stop is kept
-                            break
-                fail = None
-                if lookup:
-                    lookup.sync()
-                for delta in deltas:
-                    if delta:
-                        yield delta
+            with self.loaded.scheduler.segment():  # between its steps, the next pass waits for it a moment
+                while run.stop is None:
+                    if cancel is not None and cancel.is_set():
+                        run.stop = Stop(StopReason.CANCELLED)
+                        break
+                    base = len(cache)
+                    fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
+                    generated = run.generated_tokens
+                    room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
+                    drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
+                    cache.extend(drafts)
+                    # one step of the scheduler's batched pass, beside every other session's rows
+                    logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
+                    if generated == 0:
+                        run.prefill_tokens, run.cached_tokens = fed, hit
+                    tokens = self._choose(logits, drafts, settings, generator)
+                    if drafts:
+                        full = len(tokens) > len(drafts)
+                        draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
+                    cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+                    cache.extend(tokens[-1:])
+                    deltas = []
+                    with self.lock:  # the tokenizer
+                        for i, token in enumerate(tokens):  # each new token is checked in order
+                            run.generated_tokens += 1
+                            deltas.append(detok.push(token))
+                            run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
+                                                   base + i + 1, settings.max_length)
+                            if run.stop is not None:
+                                cache.truncate(base + i + 1)  # nothing after the stop is kept
+                                break
+                    fail = None
+                    if lookup:
+                        lookup.sync()
+                    for delta in deltas:
+                        if delta:
+                            yield delta
         except Exception:
             if fail is not None:  # the model (or sampling) failed mid-step: undo that step, say so, re-raise
                 cache.truncate(base)
                 run.stop = fail
             raise
+        finally:
+            if not settings.use_cache:
+                cache.drop_kv()
 
     @staticmethod
     def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:

@@ -14,55 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from local_app import running_app  # (benchmarks/, this script's folder)
 SETTINGS = {"max_new_tokens": 48, "max_turns": 2}
-STARTUP_S, RUN_S = 180, 1500
+STARTUP_S, RUN_S = 240, 1500
 
 
 def question(session: int, turn: int) -> tuple[str, int, tuple[int, int]]:
     """A question whose operands and result no other session's question shares."""
     a, b = 101 + 13 * session + turn, 7 + session
     return f"What is {a} * {b}?", a * b, (a, b)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_app(budget_mb: str | None, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
-               GRADIO_ANALYTICS_ENABLED="False")
-    if budget_mb is not None:
-        env["KV_BUDGET_MB"] = budget_mb
-    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + STARTUP_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"app.py exited with {proc.returncode}; see {log}")
-        try:
-            urllib.request.urlopen(f"{url}/gradio_api/info", timeout=5).read()
-            return proc, url
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"app.py did not start in {STARTUP_S} s; see {log}")
-            time.sleep(0.5)
 
 
 def run_session(url: str, session: int, turns: int, deadline: float) -> list[dict]:
@@ -130,8 +97,7 @@ def pct(values: list[float], q: float) -> float:
 def phase(budget_mb: str | None, sessions: int, turns: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "app.log"
-        proc, url = start_app(budget_mb, log)
-        try:
+        with running_app(log, {"KV_BUDGET_MB": budget_mb} if budget_mb is not None else None, STARTUP_S) as url:
             deadline = time.perf_counter() + RUN_S
             solo = run_session(url, sessions + 1, turns, deadline)  # numbers no load session uses
             stop, peak = threading.Event(), {}
@@ -144,12 +110,6 @@ def phase(budget_mb: str | None, sessions: int, turns: int) -> dict:
             seconds = time.perf_counter() - began
             stop.set()
             poller.join(timeout=5)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         text = log.read_text(errors="replace")
     solo_seconds = sum(r["seconds"] for r in solo)
     return dict(budget_mb=peak.get("budget_mb", budget_mb), sessions=sessions, turns=turns,

@@ -4,14 +4,11 @@ port, and Chromium through Playwright's sync API. Every test here is marked `ui`
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from benchmarks.local_app import running_app
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "test-output"
@@ -29,44 +26,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ui)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def app_url():
     OUT.mkdir(exist_ok=True)
-    port = _free_port()
-    env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
-               GRADIO_ANALYTICS_ENABLED="False",
-               # fast heartbeat, so closing a page fires demo.unload at once (sessions live server-side,
-               # so gr.State's short e2e lifetime does not matter here)
-               GRADIO_IS_E2E_TEST="1")
-    log = open(OUT / "app.log", "w")
-    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"app.py exited with {proc.returncode}; see {OUT / 'app.log'}")
-            try:
-                urllib.request.urlopen(f"{url}/gradio_api/info", timeout=5).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"app.py did not start in {STARTUP_S} s; see {OUT / 'app.log'}")
-                time.sleep(0.5)
+    # fast heartbeat, so closing a page fires demo.unload at once (sessions live server-side, so gr.State's short
+    # e2e lifetime does not matter here)
+    with running_app(OUT / "app.log", {"GRADIO_IS_E2E_TEST": "1"}, STARTUP_S) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="session")
