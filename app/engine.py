@@ -28,7 +28,7 @@ from app.kvcache import TokenCache
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.prompt import PromptError, default_prompt_template, render_prompt
-from app.protocol import CALL, CUT_STOPS, RESPONSE, ToolCallError, encode, neutralize, parse_tool_call
+from app.protocol import CALL, CUT_STOPS, RESPONSE, ToolCallError, calls_tool, encode, neutralize, parse_tool_call
 from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
                           require_utf8)
 from app.tools.registry import Tool, default_tools, run_tool
@@ -154,7 +154,7 @@ class Engine:
         try:
             for calls in count():
                 segment = yield from self._model_segment(session, episode, settings, cancel, row)
-                if segment.stop.string != CALL or calls >= settings.max_turns:
+                if not calls_tool(segment.stop.string, segment.text) or calls >= settings.max_turns:
                     break
                 if cancel is None or not cancel.is_set():  # Stop during the step that wrote <call>: no tool
                     yield from self._tool_segment(session, episode, segment, settings, row)
@@ -227,6 +227,8 @@ class Engine:
         text = neutralize(text, self._specials)
         if len(text) > settings.max_tool_response:
             text = text[: settings.max_tool_response - 1] + "…"
+        if call_segment.stop.string == RESPONSE:  # the model wrote <response> where <call> belongs (now cut):
+            text = CALL + text  # the request is closed by the engine, in this inserted (not generated) text
         cache = session.cache
         ids = self._encode(text + RESPONSE)
         ids = ids[: max(0, settings.max_length - len(cache))]  # never past the session's budget

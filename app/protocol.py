@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 REQUEST, CALL, RESPONSE, SUBMIT = "<request>", "<call>", "<response>", "<submit>"
 NEXT_QUESTION = "\nQ:"  # the model writing the few-shot format's next example: its answer is over
-STOP_STRINGS = (CALL, SUBMIT, NEXT_QUESTION)
+# RESPONSE is the tools' marker, never the model's: a model that writes it (`<request><Calculator>1 + 2<response>`,
+# where `<call>` belongs) stops there, and does not go on to invent the tool's output.
+STOP_STRINGS = (CALL, SUBMIT, NEXT_QUESTION, RESPONSE)
 # Stop strings that are not part of the answer: they and the blank space before them are not kept. (The
-# markers are: the tool-call parser and the next segment read them.)
-CUT_STOPS = frozenset({NEXT_QUESTION})
+# markers CALL and SUBMIT are: the tool-call parser and the next segment read them.)
+CUT_STOPS = frozenset({NEXT_QUESTION, RESPONSE})
 
 # Markers in any spacing or case: `< call >`, `</submit>`, `<CALL>`.
 _MARKER = re.compile(r"<\s*/?\s*(request|call|response|submit)\s*>", re.IGNORECASE)
@@ -42,6 +44,19 @@ def parse_tool_call(segment_text: str) -> ToolCall:
     if not match:
         raise ToolCallError(f"expected {REQUEST}<ToolName>query{CALL}")
     return ToolCall(name=match[1].strip(), query=match[2].strip())
+
+
+def calls_tool(stop_string: str | None, segment_text: str) -> bool:
+    """Whether a model segment that stopped at `stop_string` asks for a tool: it ended with `<call>`, or it wrote
+    `<response>` (cut from `segment_text`) right after a request on its last line, `<request><Tool>query`, which
+    the engine then closes with the `<call>` the model left out."""
+    if stop_string == CALL:
+        return True
+    if stop_string != RESPONSE:
+        return False
+    start = segment_text.rfind(REQUEST)
+    request = segment_text[start + len(REQUEST):]
+    return start >= 0 and "\n" not in request and _TOOL_CALL.match(request) is not None
 
 
 def neutralize(text: str, special_tokens: list[str] | tuple[str, ...] = ()) -> str:

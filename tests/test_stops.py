@@ -74,6 +74,35 @@ def test_next_question_ends_the_answer_and_is_not_kept(tiny_llama, tokenizer, dr
     assert nxt.segments[0].cached_tokens + nxt.segments[0].prefill_tokens == nxt.segments[0].start
 
 
+def test_a_request_closed_with_response_runs_the_tool_and_keeps_no_response_the_model_wrote(tiny_llama, tokenizer):
+    # Regression: "<request><Calculator>123 + 456 + 789<response>\nResult = 100<submit>": the model wrote the
+    # tools' marker where <call> belongs, no tool ran, and it went on to invent the tool's output.
+    written = "<request><Calculator>2+3<response>"
+    n = len(encode(tokenizer, written))
+    plan = plan_text(tokenizer, (0, written + "\nResult = 100<submit>"), (n, "\nResult = 5<submit>"))
+    _, session, episode = run(forced(tiny_llama, plan), max_new_tokens=40)
+    first, tool, last = episode.segments
+    assert (first.stop.reason, first.stop.string, first.stop.label) == (
+        StopReason.STRING_MATCH, "<response>", "string match <response>")
+    assert first.text == "<request><Calculator>2+3" and first.generated_tokens == n
+    assert session.cache.ids[first.start:first.end] == encode(tokenizer, "<request><Calculator>2+3")
+    # the engine closes the request in the inserted text: the transcript reads as a well-formed call
+    assert (tool.kind, tool.tool, tool.query, tool.ok, tool.text) == ("tool", "Calculator", "2+3", True, "<call>5<response>")
+    assert (last.stop.string, episode.answer) == ("<submit>", "Result = 5")
+    mask = episode.mask
+    generated = [t for t, m in zip(episode.token_ids, mask) if m]
+    assert "<call>" not in tokenizer.decode(generated) and "<response>" not in tokenizer.decode(generated)
+
+
+@pytest.mark.parametrize("text", ["Result = 5<response>", "<request><Calculator>2+3\nResult = 5<response>"])
+def test_response_written_outside_a_request_ends_the_answer_and_is_not_kept(tiny_llama, tokenizer, text):
+    _, session, episode = run(forced(tiny_llama, plan_text(tokenizer, (0, text + " more"))), max_new_tokens=40)
+    (segment,) = episode.segments
+    assert (segment.stop.reason, segment.stop.string) == (StopReason.STRING_MATCH, "<response>")
+    assert segment.text == episode.answer == text[: -len("<response>")]
+    assert "<response>" not in tokenizer.decode(session.cache.ids[segment.start:])
+
+
 def test_next_question_streams_no_text_that_is_dropped(tiny_llama, tokenizer):
     plan = plan_text(tokenizer, (0, "Result = 5\nQ: next"))
     engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
