@@ -27,7 +27,7 @@ class LocalBackend:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.lock = loaded.lock
-        self.name = f"in-process ({loaded.name})"
+        self.name = f"in-process ({loaded.name}, {loaded.weights})"
         self.special_token_texts = loaded.special_token_texts
         self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
         cfg = loaded.model.config.get_text_config()

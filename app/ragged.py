@@ -48,6 +48,14 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past:
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
 
 
+def _qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Queries, keys and values: one fused matmul where the weights have one (app.int8), else three."""
+    fused = getattr(attn, "qkv_proj", None)
+    if fused is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return fused(x).split([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], dim=-1)
+
+
 @torch.inference_mode()
 def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     """Run every row's new tokens through `model` in one pass; return each row's last `keep` logits.
@@ -67,9 +75,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         shape = (1, at, -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         outs = []
         for row, (a, b) in zip(rows, spans):

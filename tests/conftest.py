@@ -15,7 +15,15 @@ from app.protocol import encode
 
 @pytest.fixture(scope="session")
 def real() -> LoadedModel:
-    return load_model()
+    return load_model()  # in the configured format (WEIGHTS): int8 by default
+
+
+def logit_tolerance(loaded: LoadedModel) -> float:
+    """How far two computations of the same logits may differ when they attend over different shapes (cached
+    and uncached, solo and batched). float32: rounding only. int8: an activation a rounding error away from a
+    step boundary lands on the other side, a jump of one 1/32,000 step of that token's largest activation
+    (measured: up to 0.016 on the real model; the greedy tokens, which the tests also compare, stay equal)."""
+    return 1e-4 if loaded.weights == "float32" else 0.05
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from app.engine import Engine, EpisodeFinished, Settings, TextDelta
 from app.kvcache import TokenCache
 from app.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Scheduler, plan_step
 from app.tools.registry import Tool, default_tools
+from tests.conftest import logit_tolerance
 
 
 def wait_for_steps(scheduler: Scheduler, n: int, timeout: float = 60.0) -> None:
@@ -69,7 +70,7 @@ def test_staggered_rows_of_very_different_lengths_match_the_models_own_forward(w
         t.join()
     for (tokens, logits), (solo_tokens, solo_logits) in zip(results, solo):
         assert tokens == solo_tokens
-        assert max((a - b).abs().max().item() for a, b in zip(logits, solo_logits)) < 1e-4
+        assert max((a - b).abs().max().item() for a, b in zip(logits, solo_logits)) < logit_tolerance(loaded)
     assert scheduler.stats.peak_rows >= 2  # the rows really shared steps
 
 
