@@ -3,6 +3,7 @@
     python3 benchmarks/answer_quality.py               # the table (about 3-5 min on 2 cores)
     python3 benchmarks/answer_quality.py --episodes    # ... and every episode as the model wrote it
     python3 benchmarks/answer_quality.py --set dev     # the tuning set instead of the reported one
+    python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only)
 
 Each question runs greedy in a fresh session (the page's first turn). The reported ("test") look-ups are
 Jargon File headwords that appear nowhere in the system prompt; their key phrases were written from each
@@ -76,6 +77,16 @@ LOOKUPS = {
     ],
 }
 
+# Forty more tuning look-ups, no key phrases (only the ending and the tool are scored): single-word headwords
+# drawn at random (seed 7) from those whose search result is their own entry, none in the prompt or the sets
+# above, asked in five phrasings. A dozen dev words proved too few to choose between prompts.
+_WIDE = ["hexit", "mainsleaze", "support", "meatspace", "flamer", "flame", "vannevar", "clocks", "snippage", "bazaar",
+         "scruffies", "punt", "mode", "hardwired", "shim", "interrupt", "flypage", "break", "chawmp", "spike", "chain",
+         "gumby", "toaster", "burble", "background", "teergrube", "verbiage", "spoof", "gorets", "lase", "bixie",
+         "newline", "dahmum", "semi", "flush", "nugry", "barn", "epoch", "hakspek", "frag"]
+_PHRASINGS = ["What does {} mean?", "What is {}?", "Define {}.", "Explain the term {}.", "What is the meaning of {}?"]
+LOOKUPS["wide"] = [(_PHRASINGS[i % len(_PHRASINGS)].format(w), []) for i, w in enumerate(_WIDE)]
+
 ARITHMETIC = {"test": [
     ("What is 57 * 38?", "2166"), ("What is 1,024 + 2,048?", "3072"), ("What is 900 / 36?", "25"),
     ("How much is 25% of 640?", "160"), ("What is 3 to the power of 7?", "2187"),
@@ -94,11 +105,13 @@ ARITHMETIC = {"test": [
     ("What is 30% of 90?", "27"), ("What is 88 - 19?", "69"), ("What is 1.5 * 6?", "9"), ("What is 11 * 11?", "121"),
     ("What is 7,200 / 80?", "90"),
 ]}
+ARITHMETIC["wide"] = []  # look-ups only
 
 CHITCHAT = {"test": ["Hello, who are you?", "Hello! What can you do?", "Hi!", "Good morning!", "Thanks, that helps.",
                      "How are you today?", "What is your name?", "Tell me about yourself."],
             "dev": ["Hey there!", "Thank you!", "Good evening!", "Who made you?", "Nice to meet you.", "What's up?",
                     "Can you help me?", "Goodbye!"]}
+CHITCHAT["wide"] = []
 
 
 @dataclass
@@ -107,6 +120,8 @@ class Tally:
 
     def rate(self, key: str) -> str:
         hits = sum(1 for row in self.rows if row[key])
+        if not self.rows:
+            return "-"
         return f"{hits}/{len(self.rows)} ({100 * hits / len(self.rows):.0f} %)"
 
 
@@ -179,7 +194,8 @@ def main() -> int:
     look, calc, chat = tallies["look-up"], tallies["arithmetic"], tallies["chit-chat"]
     print(f"| set | questions | measure | value |\n|---|---|---|---|")
     print(f"| look-up ({args.set}) | {len(look.rows)} | `<submit>` after exactly one search | {look.rate('clean')} |")
-    print(f"| | | answer holds a key phrase of the definition | {look.rate('key')} |")
+    if any(keys for _, keys in LOOKUPS[args.set]):
+        print(f"| | | answer holds a key phrase of the definition | {look.rate('key')} |")
     print(f"| | | reached max_turns or max_length | {look.rate('limits')} |")
     print(f"| arithmetic ({args.set}) | {len(calc.rows)} | calculator called | {calc.rate('calc')} |")
     print(f"| | | correct | {calc.rate('correct')} |")

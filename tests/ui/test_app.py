@@ -197,7 +197,7 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     set_number(page, "max-new-tokens", 24)
     set_number(page, "max-turns", 0)
     box = page.locator("#msg textarea")
-    box.fill("Tell me a story about a dog.")
+    box.fill("Write a long story about a robot who learns to paint.")  # 24 tokens of text, no tool call
     page.locator("#send").click()
     expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
     box.fill("What is 3 + 4?")
@@ -209,7 +209,8 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     box.fill("a draft I have not sent")
     expect(user_messages(page)).to_have_count(3, timeout=3 * TURN_MS)
     expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
-    expect(user_messages(page)).to_have_text(["Tell me a story about a dog.", "What is 3 + 4?", "Say hi"])
+    expect(user_messages(page)).to_have_text(
+        ["Write a long story about a robot who learns to paint.", "What is 3 + 4?", "Say hi"])
     assert len(model_parts(page)) == 3
     expect(box).to_have_value("a draft I have not sent")
 
