@@ -99,7 +99,7 @@ def main() -> int:
 
     results: dict[str, dict[str, float]] = {}
     tokenizer = None
-    for weights in reversed(WEIGHT_FORMATS):  # float32 first: the reference
+    for weights in WEIGHT_FORMATS:  # float32 first: the reference
         loaded = load_model(weights=weights)
         tokenizer = loaded.tokenizer
         with torch.inference_mode():

@@ -2,7 +2,7 @@
 
     python3 benchmarks/vs_trl.py            # builds benchmarks/.trl-venv on first use (~1 min)
 
-Both sides: the bundled SmolLM2-135M-Instruct (float32 on TRL's side; ours in float32 and in int8), the same 24-example few-shot calculator prompt, the
+Both sides: the bundled SmolLM2-135M-Instruct (float32), the same 24-example few-shot calculator prompt, the
 same 8 questions, greedy, 2 threads, max_new_tokens 32, max_turns 4; one episode per call, then all 8 as one
 batch. TRL runs in its own virtual environment (transformers 4.x) as a subprocess; model loading is excluded
 on both sides. Prints a table and writes assets/benchmark_vs_trl.png.
@@ -45,9 +45,9 @@ def episode_text(episode) -> str:
     return "".join(s.text for s in episode.segments)
 
 
-def run_ours(use_cache: bool, draft_tokens: int, weights: str) -> dict:
+def run_ours(use_cache: bool, draft_tokens: int) -> dict:
     """Per-episode and batch runs on this project's engine (the shared prompt cache is built once, timed apart)."""
-    engine = Engine(load_model(weights=weights), tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt())
+    engine = Engine(load_model(), tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt())
     settings = Settings(use_cache=use_cache, draft_tokens=draft_tokens, **SETTINGS)
     began = time.perf_counter()
     engine.new_session(use_cache=use_cache)  # one prefill of the prompt per process, shared by every session
@@ -113,8 +113,8 @@ def chart(trl: dict, ours: dict[str, dict], path: Path) -> None:
     runs = [trl, *ours.values()]
     seconds = [r["per_episode"]["mean_seconds"] for r in runs]
     prefill = [r["per_episode"]["mean_prefill_tokens"] for r in runs]
-    colors = ["#9ca3af", "#f59e0b", "#818cf8", "#4f46e5", "#34d399", "#059669"][: len(runs)]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), dpi=110)
+    colors = ["#9ca3af", "#f59e0b", "#818cf8", "#4f46e5"][: len(runs)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     for ax, values, title, fmt in ((left, seconds, "seconds per episode (mean of 8)", "{:.2f} s"),
                                    (right, prefill, "tokens prefilled per episode", "{:.0f}")):
         bars = ax.bar(names, values, color=colors)
@@ -138,25 +138,17 @@ def main() -> None:
     out_dir = HERE / "out"
     out_dir.mkdir(exist_ok=True)
     trl = json.loads(args.trl_json.read_text()) if args.trl_json else run_trl(args.venv, out_dir / "trl.json", args.threads)
-    ours = {"ours, no cache, float32": run_ours(use_cache=False, draft_tokens=0, weights="float32"),
-            "ours, cache, float32": run_ours(use_cache=True, draft_tokens=0, weights="float32"),
-            "ours, cache + drafts, float32": run_ours(use_cache=True, draft_tokens=8, weights="float32"),
-            "ours, cache, int8": run_ours(use_cache=True, draft_tokens=0, weights="int8"),
-            "ours, cache + drafts, int8": run_ours(use_cache=True, draft_tokens=8, weights="int8")}
+    ours = {"ours, no cache": run_ours(use_cache=False, draft_tokens=0),
+            "ours, cache": run_ours(use_cache=True, draft_tokens=0),
+            "ours, cache + drafts": run_ours(use_cache=True, draft_tokens=8)}
     (out_dir / "ours.json").write_text(json.dumps(ours, indent=1))
     header = ["", "TRL 0.20.0", *ours]
     widths = [28] + [max(12, len(h) + 2) for h in header[1:]]
     print("\n" + "".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w) in enumerate(zip(header, widths))))
     for row in table(trl, ours):
         print("".join(f"{v:>{w}}" if i else f"{v:<{w}}" for i, (v, w) in enumerate(zip(row, widths))))
-    for weights in ("float32", "int8"):
-        runs = [r for name, r in ours.items() if name.endswith(weights)]
-        same = len({json.dumps([e["answer"] for e in r["episodes"]]) for r in runs}) == 1
-        print(f"\nsame answers in every {weights} run of ours: {same}")
-    changed = [(a["question"], a["answer"], b["answer"]) for a, b in zip(ours["ours, cache, float32"]["episodes"],
-                                                                         ours["ours, cache, int8"]["episodes"])
-               if a["answer"] != b["answer"]]
-    print(f"answers that differ between float32 and int8: {changed or 'none'}")
+    same = len({json.dumps([e["answer"] for e in r["episodes"]]) for r in ours.values()}) == 1
+    print(f"\nsame answers in all three runs of ours: {same}")
     print(f"versions: TRL side {trl['versions']}; ours torch {torch.__version__}")
     chart(trl, ours, CHART)
     print(f"chart: {CHART.relative_to(ROOT)}")

@@ -77,7 +77,7 @@ def test_int8_covers_llama_family_models_only(tiny):
         to_int8(tiny.model)
 
 
-@pytest.mark.parametrize("value,expected", [("", "int8"), ("int8", "int8"), ("FLOAT32", "float32"),
+@pytest.mark.parametrize("value,expected", [("", "float32"), ("int8", "int8"), ("FLOAT32", "float32"),
                                             (" float32 ", "float32"), ("bf16", None)])
 def test_weights_setting(monkeypatch, value, expected):
     monkeypatch.setenv("WEIGHTS", value)
@@ -91,14 +91,14 @@ def test_weights_setting(monkeypatch, value, expected):
 def test_int8_real_model_agrees_with_float32_on_the_system_prompt(real):
     """A guard on the conversion's accuracy: next-token agreement with float32 over the rendered system prompt
     (~97.8 % measured; one part per token instead of two gave ~93 %)."""
-    if real.weights != "int8":
-        pytest.skip("the session's model runs in float32 (WEIGHTS=float32)")
     from app.prompt import default_prompt_template, render_prompt
     from app.tools.registry import default_tools
 
-    reference = load_model(weights="float32")
+    int8 = real if real.weights == "int8" else load_model(weights="int8")
+    reference = real if real.weights == "float32" else load_model(weights="float32")
+    assert (int8.weights, reference.weights) == ("int8", "float32")
     ids = real.tokenizer(render_prompt(default_prompt_template(), default_tools()), return_tensors="pt").input_ids
     with torch.inference_mode():
-        got, want = real.model(ids).logits[0], reference.model(ids).logits[0]
+        got, want = int8.model(ids).logits[0], reference.model(ids).logits[0]
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree > 0.95, agree
