@@ -25,9 +25,15 @@ QMAX = 127
 FINE = 2 * QMAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-QMAX, QMAX]
 
 
+def _row_scale(x: torch.Tensor) -> torch.Tensor:
+    """One float32 scale per row: its largest magnitude over QMAX (a zero row gets a tiny one, not a division
+    by zero)."""
+    return torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, float32 scale per row) with x ≈ values * scale, each row scaled by its own largest value."""
-    scale = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+    scale = _row_scale(x)
     return torch.round(x / scale).to(torch.int8), scale
 
 
@@ -39,7 +45,7 @@ def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the weights in int8). The second part holds the first one's rounding error (at most half a step, so FINE
     steps per step fit int8): ~15 bits in all. Both parts go through one matmul, and at decode a step is bound
     by reading the weights, which serve the second part at no extra cost."""
-    scale = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+    scale = _row_scale(x)
     scaled = x / scale
     high = torch.round(scaled)
     low = scaled.sub_(high).mul_(FINE).round_()
@@ -61,6 +67,13 @@ class Int8Linear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         values, scale = quantize_rows(weight.detach().float())
         return cls(values, scale.squeeze(1), None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def fused(cls, *linears: nn.Module) -> Int8Linear:
+        """Layers that read the same input as one: their outputs side by side, in order."""
+        biases = [linear.bias for linear in linears]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias)
 
     def rows(self, start: int, stop: int) -> Int8Linear:
         """Output channels start..stop as their own layer, sharing this one's memory."""
@@ -85,9 +98,7 @@ class Int8MLP(nn.Module):
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
-        gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up = Int8Linear.from_float(torch.cat([gate.weight, up.weight]),
-                                             None if gate.bias is None else torch.cat([gate.bias, up.bias]))
+        self.gate_up = Int8Linear.fused(mlp.gate_proj, mlp.up_proj)
         self.down_proj = Int8Linear.from_float(mlp.down_proj.weight, mlp.down_proj.bias)
         self.act_fn = mlp.act_fn
 
@@ -100,9 +111,7 @@ def _fuse_attention(attn: nn.Module) -> None:
     """q/k/v as one int8 matmul (`attn.qkv_proj`, what the ragged pass calls) and as three views of it (what
     transformers' own forward calls): both compute the same numbers."""
     parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    biases = [p.bias for p in parts]
-    bias = None if any(b is None for b in biases) else torch.cat(biases)
-    attn.qkv_proj = Int8Linear.from_float(torch.cat([p.weight for p in parts]), bias)
+    attn.qkv_proj = Int8Linear.fused(*parts)
     at = 0
     for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
         setattr(attn, name, attn.qkv_proj.rows(at, at + part.out_features))

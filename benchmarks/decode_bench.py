@@ -13,9 +13,9 @@ counted. All three read the same token ids: the system prompt and Jargon File en
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from app.ragged import Row, ragged_forward  # noqa: E402
 from app.server_client import ModelServer  # noqa: E402
 from app.tools.registry import default_tools  # noqa: E402
 from app.tools.search import search_tool  # noqa: E402
+from server_bench import in_thread  # noqa: E402  (the model runs in a worker thread, as in the app)
 
 CONTEXTS = (100, 1500)
 PREFILL = 1000
@@ -38,12 +39,17 @@ WORDS = ["kludge", "hacker", "cruft", "daemon", "foobar", "grok", "wizard", "bog
          "heisenbug", "tarball", "vaporware", "guru", "bikeshedding", "patch", "elegant", "cookie", "glitch"]
 
 
-def context_ids(tokenizer, length: int) -> list[int]:
+@functools.cache
+def _text_ids(tokenizer) -> tuple[int, ...]:
     text = render_prompt(default_prompt_template(), default_tools())
     text += "\n".join(f"Q: What does {w} mean?\n{search_tool(w)}" for w in WORDS * 4)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def context_ids(tokenizer, length: int) -> list[int]:
+    ids = _text_ids(tokenizer)
     assert len(ids) >= length, f"only {len(ids)} tokens of text"
-    return ids[:length]
+    return list(ids[:length])
 
 
 def in_process(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -79,17 +85,6 @@ def measure(step, tokenizer, runs: int, new_tokens: int) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in cells.items()}
 
 
-def in_thread(fn, *args):
-    """The model runs in a worker thread, as in the app (the main thread measured several times slower)."""
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(fn(*args)))
-    thread.start()
-    thread.join()
-    if not out:
-        raise RuntimeError(f"{fn.__name__} failed (traceback above)")
-    return out[0]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -104,7 +99,7 @@ def main() -> int:
         tokenizer = loaded.tokenizer
         with torch.inference_mode():
             in_process(loaded.model, context_ids(tokenizer, 50), 2)  # warm-up
-            results[weights] = in_thread(measure, lambda ids, n: in_process(loaded.model, ids, n), tokenizer,
+            results[weights] = in_thread(measure, functools.partial(in_process, loaded.model), tokenizer,
                                          args.runs, args.tokens)
         del loaded
     with LlamaServer(ctx=4096, parallel=1, threads=2) as server:
