@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from app.answer_line import AnswerLine, mask
 from app.backend import SegmentRun
 from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, next_token
 from app.kvcache import TokenCache
@@ -43,7 +44,7 @@ class LocalBackend:
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
         if not settings.use_cache:
             cache.drop_kv()
-        stops, detok = self.stops.start(), Detokenizer(self.tokenizer)
+        stops, detok, line = self.stops.start(), Detokenizer(self.tokenizer), AnswerLine()
         lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
         # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
@@ -65,7 +66,7 @@ class LocalBackend:
                     logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
                     if generated == 0:
                         run.prefill_tokens, run.cached_tokens = fed, hit
-                    tokens = self._choose(logits, drafts, settings, generator)
+                    tokens = self._choose(logits, drafts, settings, generator, line)
                     if drafts:
                         full = len(tokens) > len(drafts)
                         draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
@@ -76,6 +77,7 @@ class LocalBackend:
                         for i, token in enumerate(tokens):  # each new token is checked in order
                             run.generated_tokens += 1
                             deltas.append(detok.push(token))
+                            line.push(deltas[-1])
                             run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
                                                    base + i + 1, settings.max_length)
                             if run.stop is not None:
@@ -96,13 +98,25 @@ class LocalBackend:
             if not settings.use_cache:
                 cache.drop_kv()
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator) -> list[int]:
-        """The new tokens: the drafts the model agrees with, then the model's own next token."""
+    def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
+                line: AnswerLine) -> list[int]:
+        """The new tokens: the drafts the model agrees with, then the model's own next token, none of them a
+        newline on the answer line."""
         if not drafts:
-            return [next_token(logits[-1], settings.temperature, settings.top_p, generator)]
+            last = mask(logits[-1], self.loaded.newline_ids) if line.on_answer else logits[-1]
+            return [next_token(last, settings.temperature, settings.top_p, generator)]
         greedy = logits.argmax(dim=-1).tolist()
         accepted = 0
         while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
             accepted += 1
-        return drafts[:accepted] + [greedy[accepted]]
+        tokens = drafts[:accepted] + [greedy[accepted]]
+        # A draft may open the answer line mid-step: the first token that breaks it is the masked argmax there
+        # (where the argmax is no newline, masking does not change it), and the tokens after it are dropped.
+        ahead = line.copy()
+        with self.lock:  # the tokenizer
+            for i, token in enumerate(tokens):
+                text = self.tokenizer.decode([token])
+                if ahead.on_answer and "\n" in text:
+                    return tokens[:i] + [int(mask(logits[i], self.loaded.newline_ids).argmax())]
+                ahead.push(text)
+        return tokens

@@ -6,6 +6,7 @@ local cache folder; later starts load that folder in about a second.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from app.answer_line import newline_token_ids
 from app.attention import use_gqa_sdpa
 from app.int8 import to_int8
 from app.ragged import supports
@@ -57,6 +59,12 @@ class LoadedModel:
     @property
     def special_token_texts(self) -> list[str]:
         return special_token_texts(self.tokenizer)
+
+    @functools.cached_property
+    def newline_ids(self) -> torch.Tensor:
+        """The tokens whose text holds a newline (masked on the answer line: app.answer_line), found once."""
+        with self.lock:
+            return torch.tensor(newline_token_ids(self.tokenizer), dtype=torch.long)
 
 
 def special_token_texts(tokenizer) -> list[str]:

@@ -50,6 +50,9 @@ CASES = [
     ("sqrt(16)", "4"),
     ("sqrt(2**200)", "1267650600228229401496703205376"),
     ("sqrt(1/4)", "0.5"),
+    # Regression: "What is the square root of 2025?" wrote sqrt(2025 and got a parse error; closed as a calculator does
+    ("sqrt(2025", "45"),
+    ("(12 + 8) * (5", "100"),
     ("log(e)", "1"),
     ("log(8,2)", "3"),
     ("log(100, 10)", "2"),
@@ -137,6 +140,8 @@ ATTACKS = [
     ("", "empty"),
     ("=", "empty"),
     ("1 +", "could not parse"),
+    ("(1+2))", "unmatched ')'"),  # only parentheses left open at the end are closed
+    (")1+2(", "unmatched ')'"),
     ("1\x00", "could not parse"),
     # Regression: "Define heisenbug." sent the word to the Calculator, whose parse error did not say what to do
     ("heisenbug", "'heisenbug' is words, not arithmetic; to look up what a word means, use Search"),

@@ -83,6 +83,9 @@ def test_known_word_comes_first(backend: FtsSearch, word: str) -> None:
     ("what does yak shaving mean", "yak shaving", "Any seemingly pointless activity"),  # question words dropped
     ("wizard", "wizard", "Transitively, a person who knows how a complex piece of software or hardware works"),
     ("bit rot", "bit rot", "Hypothetical disease"),  # the alias note "Also bit decay." is not a definition
+    # Regression: the model asked for "core dump error" and answered from a third entry it was shown
+    ("core dump error", "core dump", "A copy of the contents of core"),  # a headword, then words qualifying it
+    ("cookie in hacker slang", "cookie", "A handle, transaction ID, or other token of agreement"),
 ])
 def test_a_named_headword_is_the_one_hit_with_a_clean_opening(backend: FtsSearch, query, title, opening) -> None:
     hit = backend.search(query, 3)[0]

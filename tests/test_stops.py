@@ -60,7 +60,7 @@ def test_string_ending_inside_a_token_keeps_that_token_and_nothing_after(tiny_ll
 def test_next_question_ends_the_answer_and_is_not_kept(tiny_llama, tokenizer, draft_tokens):
     # Regression: the model finished its answer, then wrote the few-shot format's next example
     # ("\n\nQ: What is a kludge?\n<request><Search>kludge<call>") and went on calling tools until max_turns.
-    answer = "Result = 5"
+    answer = "5"  # (not a `Result =` line, which cannot end in a newline: test_the_answer_line_...)
     plan = plan_text(tokenizer, (0, answer + "\n\nQ: What is a kludge?\n<request><Search>kludge<call>"))
     engine, session, episode = run(forced(tiny_llama, plan), max_new_tokens=60, draft_tokens=draft_tokens)
     (segment,) = episode.segments
@@ -104,12 +104,70 @@ def test_response_written_outside_a_request_ends_the_answer_and_is_not_kept(tiny
 
 
 def test_next_question_streams_no_text_that_is_dropped(tiny_llama, tokenizer):
-    plan = plan_text(tokenizer, (0, "Result = 5\nQ: next"))
+    plan = plan_text(tokenizer, (0, "It is 5\nQ: next"))
     engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
     session = prime(engine)
     streamed = "".join(e.text for e in engine.turn(session, "What is 2+3?", Settings(max_new_tokens=30))
                        if isinstance(e, TextDelta))
-    assert streamed.rstrip() == "Result = 5"
+    assert streamed.rstrip() == "It is 5"
+
+
+@pytest.mark.parametrize("before", ["", "<request><Calculator>2+3<call>"])
+def test_the_answer_line_cannot_end_in_a_newline(tiny_llama, tokenizer, before):
+    # Regression (benchmarks/answer_quality.py): "Result = Goodbye!" then "\nQ: ..." instead of <submit>. The
+    # newline the model would write is masked; it writes something else on the line, then the planned <submit>.
+    answer = "Result = 5"
+    plan = plan_text(tokenizer, (0, before))
+    if before:
+        plan.update(plan_text(tokenizer, (len(plan), "\n" + answer)))
+    else:
+        plan.update(plan_text(tokenizer, (0, answer)))
+    newline = len(plan)
+    plan.update(plan_text(tokenizer, (newline, "\nQ: next"), (newline + 1, "<submit>")))
+    loaded = forced(tiny_llama, plan)
+    engine = Engine(loaded, prompt=PROMPT)
+    session = prime(engine)
+    episode = engine.ask(session, "What is 2+3?", Settings(max_new_tokens=40))
+    last = episode.segments[-1]
+    assert (last.stop.reason, last.stop.string) == (StopReason.STRING_MATCH, "<submit>"), last
+    assert last.text.lstrip("\n").startswith(answer) and "\n" not in last.text.lstrip("\n")
+    assert len(episode.segments) == (3 if before else 1)
+    newlines = set(loaded.newline_ids.tolist())
+    answer_ids = session.cache.ids[last.start:last.end]
+    assert newlines & set(answer_ids[1 if before else 0:]) == set()
+
+
+@pytest.mark.parametrize("line, drafted, expected", [
+    ("Result = 5", [], []),  # one token, no drafts: the newline is masked before it is chosen
+    ("Result = 5", ["\n", "Q", ":"], []),  # an accepted draft newline is replaced, the drafts after it dropped
+    ("", ["Result", " =", " 5", "\n", "Q"], ["Result", " =", " 5"]),  # the line opens inside the drafts
+    ("The sum is 5", ["\n", "Q"], None),  # no answer line: the newline stays
+])
+def test_drafts_never_put_a_newline_on_the_answer_line(tiny_llama, tokenizer, line, drafted, expected):
+    """LocalBackend._choose on logits that agree with every draft, then prefer a newline; second best: `other`."""
+    from app.answer_line import AnswerLine
+    from app.local_backend import LocalBackend
+
+    ids = {text: encode(tokenizer, text)[0] for text in ("\n", "Q", ":", "Result", " =", " 5", "!")}
+    drafts = [ids[t] for t in drafted]
+    wanted = drafts + [ids["\n"]]  # the model's greedy choice at each position
+    logits = torch.zeros(len(wanted), len(tokenizer))
+    for i, token in enumerate(wanted):
+        logits[i, token] = 10.0
+        logits[i, ids["!"]] = 5.0
+    state = AnswerLine()
+    state.push(line)
+    chosen = LocalBackend(tiny_llama)._choose(logits, drafts, Settings(), None, state)
+    if expected is None:
+        assert chosen == wanted
+    else:
+        assert chosen == [ids[t] for t in expected] + [ids["!"]]
+
+
+def test_a_line_that_is_no_answer_still_ends_in_a_newline(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "Results vary\nQ: next"))
+    _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=30)
+    assert (episode.stop.string, episode.answer) == ("\nQ:", "Results vary")
 
 
 @pytest.mark.parametrize("ends, at, keep", [

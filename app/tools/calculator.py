@@ -329,7 +329,18 @@ def _prepare(expression: str) -> str:
         text = text.replace(old, new)
     text = re.sub(r"[\s=]+$", "", text)  # "12*3 =" -> "12*3"
     text = _THOUSANDS.sub(_merge_thousands, text)
-    return _PERCENT_OF.sub(r"(\1/100)*", text)
+    return _close_parentheses(_PERCENT_OF.sub(r"(\1/100)*", text))
+
+
+def _close_parentheses(text: str) -> str:
+    """Close the parentheses left open at the end, as a pocket calculator does: `sqrt(2025` is `sqrt(2025)`.
+    (A small model often stops one `)` short; anything else unbalanced is left to the parser's error.)"""
+    depth = 0
+    for char in text:
+        depth += (char == "(") - (char == ")")
+        if depth < 0:
+            return text
+    return text + ")" * depth
 
 
 # A word or a phrase and nothing else ("heisenbug", "yak shaving"): a look-up sent to the wrong tool.

@@ -100,6 +100,14 @@ def headword_keys(query: str) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def leading_keys(query: str) -> list[str]:
+    """The phrases a longer query opens with, longest first ("core dump error" -> "core dump", "core"), for a
+    headword followed by words that qualify it ("cookie in hacker slang")."""
+    words = _key(query[:MAX_QUERY_CHARS]).split()
+    content = [w for w in words if w not in STOPWORDS]
+    return [" ".join(content[:n]) for n in range(min(len(content), 7) - 1, 0, -1)]
+
+
 def fts_match_expression(query: str) -> str | None:
     """A safe FTS5 MATCH expression (`"a" OR "b"`) for the query, or None when it has no words."""
     terms = query_terms(query)
@@ -208,9 +216,10 @@ class FtsSearch:
         return hits[:limit]
 
     def lookup(self, query: str) -> Hit | None:
-        """The entry the query names (any case or spacing, a plural, or a pointer like kludge -> kluge)."""
+        """The entry the query names (any case or spacing, a plural, or a pointer like kludge -> kluge), or else
+        the headword its words open with."""
         headwords = self._headwords()
-        for key in headword_keys(query):
+        for key in headword_keys(query) + leading_keys(query):
             entry = headwords.get(key)
             if entry is None:
                 continue
