@@ -50,6 +50,7 @@ class Backend(Protocol):
     lock: threading.RLock
     context_limit: int  # the most tokens a session may hold (the model's or the server's context)
     parallel: int  # how many segments it usefully runs at once (a batch's rows run this many at a time)
+    shares_prefix: bool  # sessions read the prefilled prompt's keys/values in place, not a copy (app.kvcache)
     special_token_texts: list[str]
 
     def prefill(self, cache: TokenCache) -> None:

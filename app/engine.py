@@ -104,7 +104,7 @@ class Engine:
         except PromptError as error:  # a visitor's prompt whose example the tool rejects
             raise InputError(str(error)) from None
         base = self._prompt_cache(prompt, prefill=use_cache)
-        cache = base.fork() if use_cache else TokenCache(base.ids)
+        cache = base.fork(share=self.backend.shares_prefix) if use_cache else TokenCache(base.ids)
         return Session(cache, prompt_tokens=len(base), seed=seed)
 
     def _prompt_cache(self, prompt: str, prefill: bool) -> TokenCache:
@@ -169,7 +169,7 @@ class Engine:
     def _reuse_prompt(self, cache: TokenCache) -> None:
         with self._prompt_lock:
             bases = list(self._prompt_caches.values())
-        any(cache.reuse(base) for base in bases)
+        any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
                        cancel: threading.Event | None, row: int) -> Generator[Event, None, Segment]:

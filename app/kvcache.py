@@ -3,6 +3,12 @@
 Invariant, checked before every forward pass: the cache holds keys/values for exactly `ids[:cached]`, with
 `cached < len(ids)`, so each pass feeds only the uncached suffix. Any other state makes the model compute
 wrong logits without an error, which is why nothing else touches the cache.
+
+A session may hold the system prompt's keys/values by reference instead of by copy (`fork(share=True)`): the
+engine's prefilled prompt cache is its read-only *prefix*, and the session's own cache covers only the positions
+after it. Where the model runs through app.ragged, attention reads both parts (cascade attention); every other
+path gets one ordinary cache (`forward` joins the two first). So twenty chats hold one copy of the prompt's
+~34 MB, not twenty, and KV_BUDGET_MB counts what each session really adds.
 """
 
 from __future__ import annotations
@@ -59,8 +65,9 @@ class TokenCache:
 
     def __init__(self, ids: list[int] | None = None):
         self._ids: list[int] = list(ids or [])
-        self._kv: DynamicCache | None = None
-        self._kv_ids: list[int] = []  # the ids the cache was computed from, to check the prefix
+        self._kv: DynamicCache | None = None  # this session's own keys/values, after the shared prefix's
+        self._kv_ids: list[int] = []  # the ids the cache was computed from (the prefix's too), to check the prefix
+        self._prefix: DynamicCache | None = None  # a shared, read-only cache of ids[:shared] (another TokenCache's)
 
     @property
     def ids(self) -> list[int]:
@@ -75,8 +82,18 @@ class TokenCache:
         return len(self._kv_ids)
 
     @property
+    def prefix(self) -> DynamicCache | None:
+        """The shared prefix's keys/values (read-only), or None when this cache holds all of its own."""
+        return self._prefix
+
+    @property
+    def shared(self) -> int:
+        """How many of the cached positions the shared prefix holds."""
+        return self._prefix.get_seq_length() if self._prefix is not None else 0
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of key/value tensors this session holds."""
+        """Bytes of key/value tensors this session holds (its own: a shared prefix is counted by its owner)."""
         kv = self._kv  # read once: another thread may drop it meanwhile (stats panels)
         if kv is None:
             return 0
@@ -93,22 +110,30 @@ class TokenCache:
 
     def drop_kv(self) -> None:
         """Free the keys/values but keep the ids; the next forward pass recomputes them."""
-        self._kv, self._kv_ids = None, []
+        self._kv, self._kv_ids, self._prefix = None, [], None
 
-    def fork(self) -> "TokenCache":
-        """An independent copy: a new session starting from a shared, already prefilled prompt."""
+    def fork(self, share: bool = False) -> "TokenCache":
+        """An independent copy (a shared prefix stays shared). With `share`, the copy reads this cache's
+        keys/values as its prefix instead of copying them: a new session starting from the engine's prefilled
+        prompt, which must then never change (app.engine keeps it so)."""
         other = TokenCache(self._ids)
-        other._kv = copy.deepcopy(self._kv)
+        if share and self._prefix is None and self._kv is not None and self.cached == len(self._ids):
+            other._prefix = self._kv
+        else:
+            other._kv, other._prefix = copy.deepcopy(self._kv), self._prefix
         other._kv_ids = list(self._kv_ids)
         return other
 
-    def reuse(self, prefix: "TokenCache") -> bool:
+    def reuse(self, prefix: "TokenCache", share: bool = False) -> bool:
         """A session that lost its keys/values (evicted) and whose ids start with `prefix`'s cached ids (the shared
-        system prompt) copies those instead of recomputing them; its own tokens are prefilled as usual."""
+        system prompt) copies those (or, with `share`, reads them in place) instead of recomputing them; its own
+        tokens are prefilled as usual."""
         n = prefix.cached
-        if self._kv is not None or not n or n >= len(self._ids) or self._ids[:n] != prefix._kv_ids:
+        if self._kv is not None or self._prefix is not None or not n or n >= len(self._ids) \
+                or self._ids[:n] != prefix._kv_ids:
             return False
-        self._kv, self._kv_ids = copy.deepcopy(prefix._kv), list(prefix._kv_ids)
+        linked = prefix.fork(share=share)
+        self._kv, self._prefix, self._kv_ids = linked._kv, linked._prefix, linked._kv_ids
         return True
 
     def pending(self, config) -> tuple[DynamicCache, int, list[int]]:
@@ -126,23 +151,28 @@ class TokenCache:
     def advance(self, n: int) -> None:
         """After a pass that fed the next `n` uncached ids into every layer of the cache."""
         self._kv_ids.extend(self._ids[self.cached:self.cached + n])
-        if self._kv is None or self._kv.get_seq_length() != len(self._kv_ids):
-            held = self._kv.get_seq_length() if self._kv is not None else 0
-            raise CacheInvariantError(f"cache holds {held} positions, expected {len(self._kv_ids)}")
+        if self._kv is None or self._held() != len(self._kv_ids):
+            raise CacheInvariantError(f"cache holds {self._held()} positions, expected {len(self._kv_ids)}")
+
+    def _held(self) -> int:
+        """Positions the keys/values cover: the shared prefix's and the session's own."""
+        return self.shared + (self._kv.get_seq_length() if self._kv is not None else 0)
 
     def rollback(self) -> None:
         """After a failed pass: drop whatever keys/values it added in any layer (some layers may hold the new
         positions, others not), so the cache covers exactly the ids it covered before the pass."""
         if self._kv is None:
             return
+        own = self.cached - self.shared
         for layer in self._kv.layers:
-            extra = layer.get_seq_length() - self.cached if layer.is_initialized else 0
+            extra = layer.get_seq_length() - own if layer.is_initialized else 0
             if extra > 0:
                 layer.crop(-extra)
         self.check()
 
     def forward(self, model, keep: int = 1) -> tuple[torch.Tensor, int, int]:
         """Feed the uncached ids through the model alone; return (logits of the last `keep` positions, fed, reused)."""
+        self._own_the_prefix(model.config)  # the model's own forward reads one ordinary cache
         kv, reused, new = self.pending(model.config)
         try:
             with torch.inference_mode():
@@ -156,15 +186,29 @@ class TokenCache:
     def check(self) -> None:
         """Raise if the cache does not cover an exact, strict prefix of the ids."""
         n = len(self._kv_ids)
-        kv_len = self._kv.get_seq_length() if self._kv is not None else 0
+        kv_len = self._held()
         if kv_len != n or n >= len(self._ids) or self._ids[:n] != self._kv_ids:
             raise CacheInvariantError(f"cache covers {kv_len} positions / {n} ids, session has {len(self._ids)} ids")
+
+    def _own_the_prefix(self, config) -> None:
+        """Copy the shared prefix's keys/values in front of the session's own, into one cache of its own."""
+        if self._prefix is None:
+            return
+        joined = new_kv(config)
+        for index, layer in enumerate(self._prefix.layers):
+            keys, values = layer.keys, layer.values
+            own = self._kv.layers[index] if self._kv is not None else None
+            if own is not None and own.is_initialized:
+                keys, values = torch.cat([keys, own.keys], dim=-2), torch.cat([values, own.values], dim=-2)
+            joined.update(keys, values, index)  # (copied into the new storage)
+        self._kv, self._prefix = joined, None
 
     def _crop(self, length: int) -> None:
         if length >= self.cached:
             return
-        if length <= 0 or self._kv is None:
-            self.drop_kv()
+        if length <= 0 or length < self.shared or (self._kv is None and self._prefix is None):
+            self.drop_kv()  # (cut into the shared prefix: the next turn links or recomputes it whole)
             return
-        self._kv.crop(length - self.cached)  # transformers 5 accepts only a negative count here
+        if self._kv is not None:
+            self._kv.crop(length - self.cached)  # transformers 5 accepts only a negative count here
         del self._kv_ids[length:]

@@ -34,6 +34,7 @@ class LocalBackend:
         cfg = loaded.model.config.get_text_config()
         # a batch's rows at once where the scheduler batches them into one pass; else one after another
         self.parallel = loaded.scheduler.max_rows if loaded.scheduler.ragged else 1
+        self.shares_prefix = loaded.scheduler.ragged  # cascade attention reads a shared prefix (app.ragged)
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
     def prefill(self, cache: TokenCache) -> None:

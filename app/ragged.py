@@ -7,6 +7,10 @@ weights (projections, MLP, LM head), and split again only for attention, where e
 own session's DynamicCache. No padding, no masks between rows, no batch-resident copy of anyone's keys/values:
 after the pass each session's cache holds exactly its own tokens, as after a solo pass.
 
+A row may read a shared prefix (the system prompt's keys/values, held once for every session: app.kvcache): its
+queries attend to the prefix and to its own keys in two parts, merged by their log-sum-exp (cascade attention,
+as in FlashInfer), so the prefix is never copied.
+
 Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can take this path.
 """
 
@@ -30,6 +34,7 @@ class Row:
     ids: list[int]
     start: int  # tokens `kv` holds already (= the first new token's position)
     keep: int  # logits wanted for the last `keep` new tokens
+    prefix: DynamicCache | None = None  # a shared, read-only cache of the positions before `kv`'s
 
 
 def supports(model) -> bool:
@@ -46,6 +51,33 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past:
         return F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=scale, enable_gqa=True)
     allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
+
+
+def _attend_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like _attend, with each query's log-sum-exp of scores. The query heads that share a key/value head are
+    laid end to end as one longer sequence of queries, so grouped keys are read in place here too."""
+    _, heads, n, dim = query.shape
+    groups = keys.shape[1]
+    grouped = query.reshape(1, groups, heads // groups * n, dim)
+    mask = None
+    if past < keys.shape[2] - 1:  # some query may not see the keys after its own position
+        allowed = torch.ones(n, keys.shape[2], dtype=torch.bool).tril(diagonal=past).repeat(heads // groups, 1)
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, keys, values, 0.0, False,
+                                                                         attn_mask=mask, scale=scale)
+    return out.reshape(query.shape), lse.reshape(1, heads, n)
+
+
+def _cascade(query: torch.Tensor, prefix, keys: torch.Tensor, values: torch.Tensor, past: int,
+             scale: float) -> torch.Tensor:
+    """A row's attention over a shared prefix (every position visible) and its own keys (causal, `past` of
+    them before the new ones), as one softmax over both: each part weighted by its share of the exponent sum."""
+    head, head_lse = _attend_lse(query, prefix.keys, prefix.values, prefix.keys.shape[2], scale)
+    own, own_lse = _attend_lse(query, keys, values, past, scale)
+    top = torch.maximum(head_lse, own_lse)
+    w_head, w_own = torch.exp(head_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
+    return (head * w_head + own * w_own) / (w_head + w_own)
 
 
 def _qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,7 +112,11 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         outs = []
         for row, (a, b) in zip(rows, spans):
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
-            outs.append(_attend(q[:, :, a:b], keys, values, row.start, attn.scaling))
+            if row.prefix is None:
+                outs.append(_attend(q[:, :, a:b], keys, values, row.start, attn.scaling))
+            else:
+                past = row.start - row.prefix.get_seq_length()
+                outs.append(_cascade(q[:, :, a:b], row.prefix.layers[index], keys, values, past, attn.scaling))
         out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

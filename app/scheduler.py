@@ -171,7 +171,7 @@ class Scheduler:
         for request, n in plan:
             kv, start, new = request.cache.pending(self.model.config)
             last = n == len(new)
-            rows.append(ragged.Row(kv, new[:n], start, request.keep if last else 1))
+            rows.append(ragged.Row(kv, new[:n], start, request.keep if last else 1, request.cache.prefix))
         logits = ragged.ragged_forward(self.model, rows)
         for (request, n), row, out in zip(plan, rows, logits):
             request.cache.advance(n)

@@ -189,6 +189,7 @@ class ServerBackend:
         self._warm_lock = threading.Lock()
         self.context_limit = context_limit
         self.parallel = server_parallel()
+        self.shares_prefix = False  # the server holds the keys/values (and shares the prefix in its own cache)
         self.special_token_texts = special_token_texts(tokenizer)
         self.name = f"{dialect.kind} server {server.url}"
 

@@ -84,7 +84,8 @@ def test_shared_prompt_cache_is_never_mutated(tiny_llama, tokenizer):
 def test_shared_prompt_caches_keep_the_most_recent_few(tiny_llama):
     """Visitors' custom prompts each get a shared prefilled cache; only the last PROMPT_CACHE_SIZE stay."""
     engine = Engine(tiny_llama, prompt=PROMPT)
-    per_prompt = engine.new_session().cache.nbytes
+    engine.new_session()
+    per_prompt = engine._prompt_caches[engine.prompt].nbytes
     for i in range(Engine.PROMPT_CACHE_SIZE + 2):
         engine.new_session(prompt=f"Custom prompt {i}.\n{{tools}}\n")
     assert len(engine._prompt_caches) == Engine.PROMPT_CACHE_SIZE
@@ -97,7 +98,9 @@ def test_kv_bytes_are_tokens_times_bytes_per_token(tiny_llama):
     session = engine.new_session()
     engine.ask(session, "hello", Settings(max_new_tokens=7))
     assert session.cache.cached == len(session.cache) - 1
-    exact = session.cache.cached * tiny_llama.kv_bytes_per_token  # the storage has room to grow in place
+    own = session.cache.cached - session.cache.shared  # the prompt's positions are read in place, not held
+    assert session.cache.shared == session.prompt_tokens
+    exact = own * tiny_llama.kv_bytes_per_token  # the storage has room to grow in place
     assert exact <= session.cache.nbytes <= exact + GROW_TOKENS * tiny_llama.kv_bytes_per_token
 
 
@@ -189,3 +192,54 @@ def test_an_evicted_session_copies_the_shared_prompt_and_prefills_only_its_own_t
     assert first.cached_tokens == session.prompt_tokens
     assert first.prefill_tokens == episode.query_end - session.prompt_tokens == before - session.prompt_tokens + (
         episode.query_end - episode.query_start)
+
+
+def test_sessions_read_the_prompt_in_place_and_hold_only_their_own_tokens(tiny_llama):
+    """Regression (load test, 20 chats at once in a 512 MB budget): every session held its own copy of the
+    system prompt's keys/values (~34 MB on the bundled model), so running chats alone went over the budget."""
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    sessions = [engine.new_session() for _ in range(3)]
+    base = engine._prompt_caches[engine.prompt]
+    assert all(s.cache.prefix is base._kv and s.cache.nbytes == 0 for s in sessions)
+    engine.ask(sessions[0], "hello", Settings(max_new_tokens=4))
+    held = sessions[0].cache.nbytes
+    assert 0 < held <= GROW_TOKENS * tiny_llama.kv_bytes_per_token and sessions[0].cache.prefix is base._kv
+    compare_run = sessions[0].fork()  # Compare's fork shares the prefix too, and copies the session's own part
+    assert compare_run.cache.prefix is base._kv and compare_run.cache.nbytes == held
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 4])
+def test_a_shared_prefix_gives_the_logits_and_tokens_of_a_copied_one(tiny_llama, draft_tokens):
+    """Cascade attention (prefix and own keys in two parts) against one ordinary cache holding both."""
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    shared = engine.new_session()
+    copied = engine.new_session()
+    copied.cache = engine._prompt_caches[engine.prompt].fork()  # share=False: a deep copy
+    assert shared.cache.prefix is not None and copied.cache.prefix is None
+    settings = Settings(max_new_tokens=12, draft_tokens=draft_tokens)
+    for question in ("What is 2+3?", "and then?"):
+        a, b = engine.ask(shared, question, settings), engine.ask(copied, question, settings)
+        assert a.token_ids == b.token_ids
+    ids = shared.cache.ids + [5, 6, 7]
+    one, two = TokenCache(ids), TokenCache(ids)
+    one.reuse(engine._prompt_caches[engine.prompt], share=True)
+    two.reuse(engine._prompt_caches[engine.prompt], share=False)
+    scheduler = tiny_llama.scheduler
+    got, want = scheduler.forward(one, keep=3)[0], scheduler.forward(two, keep=3)[0]
+    assert torch.allclose(got, want, atol=logit_tolerance(tiny_llama))
+    solo = TokenCache(ids)  # the model's own forward (not the ragged pass) joins the prefix into its cache first
+    solo.reuse(engine._prompt_caches[engine.prompt], share=True)
+    solo_logits, fed, reused = solo.forward(tiny_llama.model, keep=3)
+    assert solo.prefix is None and reused == len(ids) - fed == len(engine._prompt_caches[engine.prompt])
+    assert torch.allclose(solo_logits, want, atol=logit_tolerance(tiny_llama)) and solo.cached == len(ids)
+
+
+def test_a_rollback_into_the_prefix_drops_the_link_and_a_new_turn_relinks(tiny_llama):
+    engine = Engine(tiny_llama, prompt=PROMPT)
+    session = engine.new_session()
+    engine.ask(session, "hello", Settings(max_new_tokens=3))
+    session.cache.truncate(session.prompt_tokens - 1)  # cut into the shared positions
+    assert session.cache.prefix is None and session.cache.cached == 0
+    session.cache.extend(engine._prompt_caches[engine.prompt].ids[-1:])
+    episode = engine.ask(session, "again", Settings(max_new_tokens=3))
+    assert session.cache.prefix is not None and episode.segments[0].cached_tokens == session.prompt_tokens
