@@ -19,12 +19,13 @@ from itertools import count
 from typing import Generator
 
 import torch
+from transformers import DynamicCache
 
 from app.backend import Backend, SegmentRun
 from app.decoding import Holdback, Limit, Stop, StopReason, tokens_before
 from app.episode import (Episode, EpisodeFinished, Event, Segment, SegmentFinished, SegmentStarted, Span,  # noqa: F401
                          TextDelta)
-from app.kvcache import TokenCache
+from app.kvcache import TokenCache, kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.prompt import PromptError, default_prompt_template, render_prompt
@@ -93,8 +94,12 @@ class Engine:
     @property
     def shared_kv_bytes(self) -> int:
         """KV bytes of the shared prefilled prompts (held once per process, outside every session)."""
+        return sum(kv_nbytes(kv) for kv in self.shared_kv())
+
+    def shared_kv(self) -> list[DynamicCache]:
+        """The prefilled prompts' caches, which sessions read as their prefix (app.kvcache)."""
         with self._prompt_lock:
-            return sum(cache.nbytes for cache in self._prompt_caches.values())
+            return [cache.own_kv for cache in self._prompt_caches.values() if cache.own_kv is not None]
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def new_session(self, prompt: str | None = None, use_cache: bool = True, seed: int = 0) -> Session:

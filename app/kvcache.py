@@ -56,6 +56,14 @@ def new_kv(config) -> DynamicCache:
     return kv
 
 
+def kv_nbytes(kv: DynamicCache | None) -> int:
+    """Bytes of a cache's key/value storage, spare room included."""
+    if kv is None:
+        return 0
+    return sum(t.untyped_storage().nbytes() for layer in kv.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
 class CacheInvariantError(AssertionError):
     """The KV cache no longer covers a prefix of the session's ids (a bug, never a user error)."""
 
@@ -87,6 +95,11 @@ class TokenCache:
         return self._prefix
 
     @property
+    def own_kv(self) -> DynamicCache | None:
+        """This cache's own keys/values (read-only here): what a fork(share=True) reads as its prefix."""
+        return self._kv
+
+    @property
     def shared(self) -> int:
         """How many of the cached positions the shared prefix holds."""
         return self._prefix.get_seq_length() if self._prefix is not None else 0
@@ -94,11 +107,7 @@ class TokenCache:
     @property
     def nbytes(self) -> int:
         """Bytes of key/value tensors this session holds (its own: a shared prefix is counted by its owner)."""
-        kv = self._kv  # read once: another thread may drop it meanwhile (stats panels)
-        if kv is None:
-            return 0
-        return sum(t.untyped_storage().nbytes() for layer in kv.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))  # the storage, spare room included
+        return kv_nbytes(self._kv)  # (read once: another thread may drop it meanwhile, e.g. for a stats panel)
 
     def extend(self, ids: list[int]) -> None:
         self._ids.extend(ids)

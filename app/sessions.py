@@ -210,6 +210,12 @@ class SessionStore:
             log.info("KV budget: dropped the cache of %d session(s)", len(dropped))
         return dropped
 
+    def prefixes(self) -> list:
+        """The shared prefixes (DynamicCaches) the sessions read: counted once each, by whoever sums them."""
+        with self._lock:
+            sessions = [e.session for e in self._entries.values() if e.session is not None]
+        return [s.cache.prefix for s in sessions if s.cache.prefix is not None]
+
     def stats(self, shared_bytes: int = 0) -> StoreStats:
         with self._lock:
             entries = list(self._entries.values())

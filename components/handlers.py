@@ -17,6 +17,7 @@ from app.backend import Backend, BackendError, load_backend
 from app.compare import compare
 from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
                         Settings, TextDelta, clean_question, default_prompt_template)
+from app.kvcache import kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.rewards import builtin_questions
@@ -213,10 +214,13 @@ class ChatService:
                               kv_on_server=isinstance(backend, ServerBackend))
 
     def shared_kv_bytes(self) -> int:
-        """KV of every engine's shared prefilled prompts: counted in the sessions' budget."""
+        """KV of the shared prefilled prompts, each counted once in the sessions' budget: every engine's, and any
+        an engine has let go of (a visitor's prompt, least recently used) that sessions still read."""
         with self._lock:
             engines = list(self._engines.values())
-        return sum(engine.shared_kv_bytes for engine in engines)
+        held = {id(kv): kv for engine in engines for kv in engine.shared_kv()}
+        held.update((id(kv), kv) for kv in self.store.prefixes())
+        return sum(kv_nbytes(kv) for kv in held.values())
 
     # ---- page events ----------------------------------------------------------------------------------------
     def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature,

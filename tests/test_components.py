@@ -14,6 +14,7 @@ import pytest
 
 from app.decoding import Limit, Stop, StopReason
 from app.engine import Episode, InputError, Segment, Span, default_prompt_template
+from app.kvcache import kv_nbytes
 from app.sessions import MB, SessionStore, StoreStats
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
@@ -186,6 +187,20 @@ def one_token_per_pass(monkeypatch):
 
 def request(key: str = "page-1"):
     return types.SimpleNamespace(session_hash=key)
+
+
+def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama):
+    """Sessions read the prefilled prompt in place (app.kvcache); when a visitor's prompt pushes it out of the
+    engine's few, the sessions still hold it: it stays in the budget, once."""
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    turn(service, "hi", max_new_tokens=2, max_turns=0)
+    turn(service, "hello", key="page-2", max_new_tokens=2, max_turns=0)
+    engine = service.engine_for(["Calculator", "Search"])
+    prefix = service.store.peek("page-1").session.cache.prefix
+    assert prefix is not None and prefix is service.store.peek("page-2").session.cache.prefix
+    assert service.shared_kv_bytes() == engine.shared_kv_bytes == kv_nbytes(prefix)  # two readers, one copy
+    engine._prompt_caches.clear()  # as when visitors' own prompts push it out
+    assert engine.shared_kv_bytes == 0 and service.shared_kv_bytes() == kv_nbytes(prefix)
 
 
 def make_service(tiny_llama, plan=None, eos_ids=None):
