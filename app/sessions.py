@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from app.engine import Session
@@ -104,6 +105,8 @@ class SessionStore:
         self._clock = clock
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._lock = threading.Lock()  # guards the dict only; each engine Session has its own lock
+        self._turns = threading.Condition()  # chat turns running (see turn_slot)
+        self._running = 0
 
     # ---- access ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> Entry:
@@ -215,6 +218,33 @@ class SessionStore:
         with self._lock:
             sessions = [e.session for e in self._entries.values() if e.session is not None]
         return [s.cache.prefix for s in sessions if s.cache.prefix is not None]
+
+    @contextmanager
+    def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None,
+                  poll_s: float = 0.1) -> Iterator[None]:
+        """Hold a chat turn's place under the KV budget, as a serving engine admits a request only while its KV
+        fits: a turn starts when the sessions' caches and the shared prompts fit the budget (idle sessions'
+        caches are dropped first), or when no other turn runs (one always may, whatever the budget); otherwise
+        it waits for turns to end. A running turn's cache is never dropped, so this is what holds the budget
+        under load; a running turn still adds its own new tokens. A turn stopped while it waits starts at once
+        (and stops at its first step)."""
+        with self._turns:
+            while self._running and not (cancel is not None and cancel.is_set()) \
+                    and self._over_budget(shared_bytes()):
+                self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._running -= 1
+                self._turns.notify_all()
+
+    def _over_budget(self, shared_bytes: int) -> bool:
+        self.enforce_budget(shared_bytes)
+        with self._lock:
+            entries = list(self._entries.values())
+        return shared_bytes + sum(e.kv_bytes for e in entries) > self.budget_bytes
 
     def stats(self, shared_bytes: int = 0) -> StoreStats:
         with self._lock:

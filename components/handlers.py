@@ -259,19 +259,20 @@ class ChatService:
             clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             partial: str | None = None
-            for event in engine.turn(session, message, settings, cancel=cancel):
-                entry.waiting.pop(sent, None)  # started: the episode shows it from now on
-                if entry.session is not session:  # new chat (or page closed) while this turn ran
-                    break
-                if isinstance(event, SegmentStarted):
-                    partial = "" if event.kind == "model" else None
-                    yield view("running", partial=partial)
-                elif isinstance(event, TextDelta):
-                    partial = (partial or "") + event.text
-                    yield view("running", partial=partial)
-                elif isinstance(event, SegmentFinished):
-                    partial = None
-                    yield view("running", full=True)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel):  # waits while other turns spend the KV budget
+                for event in engine.turn(session, message, settings, cancel=cancel):
+                    entry.waiting.pop(sent, None)  # started: the episode shows it from now on
+                    if entry.session is not session:  # new chat (or page closed) while this turn ran
+                        break
+                    if isinstance(event, SegmentStarted):
+                        partial = "" if event.kind == "model" else None
+                        yield view("running", partial=partial)
+                    elif isinstance(event, TextDelta):
+                        partial = (partial or "") + event.text
+                        yield view("running", partial=partial)
+                    elif isinstance(event, SegmentFinished):
+                        partial = None
+                        yield view("running", full=True)
             self.store.enforce_budget(self.shared_kv_bytes())
             yield view("done" if entry.session is session else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
@@ -440,13 +441,15 @@ class ChatService:
             entry = self.store.get(request.session_hash)
             session = self.prepare(entry, engine, values, prompt)
             text = ""
-            for event in engine.turn(session, message, values, cancel=entry.chat_stop.begin(None)):
-                if isinstance(event, TextDelta):
-                    text += event.text
-                    yield text
-                elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
-                    text += event.segment.text
-                    yield text
+            cancel = entry.chat_stop.begin(None)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel):
+                for event in engine.turn(session, message, values, cancel=cancel):
+                    if isinstance(event, TextDelta):
+                        text += event.text
+                        yield text
+                    elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
+                        text += event.segment.text
+                        yield text
             self.store.enforce_budget(self.shared_kv_bytes())
         except Exception as error:  # API boundary: the client gets the message, the log the traceback
             raise api_error(error, "/chat") from None

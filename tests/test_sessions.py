@@ -80,6 +80,45 @@ def test_shared_prompt_bytes_count_in_the_budget():
     assert s["b"].cache.nbytes == 100 and store.stats(shared_bytes=100).shared_bytes == 100
 
 
+def test_a_turn_waits_while_running_turns_spend_the_budget():
+    """Regression (load test, 20 chats at once): running sessions' caches are never dropped, so without a wait
+    the KV peak was 240 MB under a 24 MB budget."""
+    store = SessionStore(budget_bytes=150, idle_timeout_s=3600)
+    s = filled(store, {"a": 100, "b": 100})
+    started, events = threading.Event(), []
+
+    def second():
+        with store.turn_slot(lambda: 0):
+            events.append("b started")
+            started.set()
+
+    with store.turn_slot(lambda: 0):  # a's turn runs: its cache is in use
+        s["a"].lock.acquire()
+        s["b"].lock.acquire()  # b's turn is about to run too: its cache cannot be dropped either
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert not started.wait(0.3)  # 200 > 150 and a turn runs: b waits
+        events.append("a done")
+        s["a"].cache.drop_kv()  # (as if a's turn ended and its cache were dropped)
+        s["a"].lock.release()
+    assert started.wait(5)
+    thread.join()
+    s["b"].lock.release()
+    assert events == ["a done", "b started"]
+
+
+def test_one_turn_always_runs_and_a_stopped_one_does_not_wait():
+    store = SessionStore(budget_bytes=10, idle_timeout_s=3600)
+    s = filled(store, {"a": 100})
+    s["a"].lock.acquire()
+    with store.turn_slot(lambda: 50):  # over the budget on its own: it runs, being the only one
+        stop = threading.Event()
+        stop.set()
+        with store.turn_slot(lambda: 50, cancel=stop):  # stopped: it starts at once, to stop at its first step
+            pass
+    s["a"].lock.release()
+
+
 def test_the_sweeper_deletes_idle_sessions_without_any_visitor():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=0.05)
     cancel = store.get("idle").chat_stop.event
