@@ -67,7 +67,7 @@ def poll_stats(url: str, stop: threading.Event, peak: dict) -> None:
             continue
         total = stats["kv_mb"] + stats["shared_kv_mb"]
         if total > peak.get("kv_mb", -1):
-            peak.update(kv_mb=total, budget_mb=stats["budget_mb"])
+            peak.update(kv_mb=total, shared_mb=stats["shared_kv_mb"], budget_mb=stats["budget_mb"])
         peak["scheduler"] = stats.get("scheduler")
 
 
@@ -117,7 +117,8 @@ def phase(budget_mb: str | None, sessions: int, turns: int) -> dict:
                 solo_ttft=statistics_of([r["ttft"] for r in solo]), solo_turn=statistics_of([r["seconds"] for r in solo]),
                 ttft=statistics_of([r["ttft"] for r in rows]), turn=statistics_of([r["seconds"] for r in rows]),
                 turns_per_s=len(rows) / seconds, solo_turns_per_s=len(solo) / solo_seconds,
-                tracebacks=text.count("Traceback"), kv_peak_mb=peak.get("kv_mb"), scheduler=peak.get("scheduler"),
+                tracebacks=text.count("Traceback"), kv_peak_mb=peak.get("kv_mb"), shared_mb=peak.get("shared_mb"),
+                scheduler=peak.get("scheduler"),
                 error_samples=[r["error"] for r in rows if r["error"]][:3],
                 wrong_samples=[(question(r["session"], r["turn"])[0], r["answer"]) for r in rows
                                if not r["error"] and str(r["expected"]) not in r["answer"].replace(",", "")][:3])
