@@ -151,8 +151,21 @@ def test_tool_output_is_short(backend: FtsSearch) -> None:
     assert len(text) <= 220
 
 
-def test_no_results(backend: FtsSearch) -> None:
-    assert search_tool("zzqxjv") == 'no results for "zzqxjv"'
+@pytest.mark.parametrize("query, expected", [
+    # Regression (benchmarks/answer_quality.py): "Explain the term sneakernet." searched "skewernet", found
+    # nothing, and the model answered with the prompt's fencepost definition
+    ("skewernet", 'sneakernet (closest to "skewernet"): Term used (generally with ironic intent) for transfer'),
+    ("frobnicat", 'frobnicate (closest to "frobnicat"): To manipulate or adjust, to tweak'),
+    ("zzqxjv", 'no results for "zzqxjv"'),  # nothing spelled like it
+    ("lose_loss_error", 'no results for "lose_loss_error"'),  # "lose lose" is not close enough (0.67)
+])
+def test_a_query_that_matches_nothing_gets_the_closest_headword(backend: FtsSearch, query, expected) -> None:
+    assert search_tool(query).startswith(expected)
+
+
+def test_a_near_miss_is_only_a_fallback(backend: FtsSearch) -> None:
+    assert search_tool("sneakernet").startswith("sneakernet: Term used")  # the name itself: no "closest"
+    assert "closest" not in search_tool("computer that crashes a lot")  # words that match entries: BM25 as before
 
 
 def test_concurrent_searches(backend: FtsSearch) -> None:

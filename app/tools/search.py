@@ -3,7 +3,8 @@
 `search_tool("kludge")` answers what a person asking "what does kludge mean" needs, as text short enough for a
 small model to copy: when the query names a headword (any case, a plural, or an entry that only points to
 another, like kludge -> kluge) just that entry, `title: opening of its definition`; otherwise the best BM25
-entries, one such line each. Another backend (embeddings, a web API) only has to provide
+entries, one such line each; and when no entry matches by name or by word, the headword spelled most like the
+query (`sneakernet (closest to "skewernet"): ...`). Another backend (embeddings, a web API) only has to provide
 `SearchBackend.search`.
 
 The index is built by this module, once, from the committed corpus
@@ -19,6 +20,8 @@ cannot raise a syntax error or change the query's meaning.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import gzip
 import hashlib
 import json
@@ -42,6 +45,7 @@ JARGON_CORPUS = ASSETS / "jargon" / "jargon.jsonl.gz"
 INDEX_LAYOUT = "fts5-v1"  # change when the table layout or tokenizer changes
 TOKENIZER = "porter unicode61 remove_diacritics 2"
 TOOL_RESULTS = 3
+CLOSEST = 0.7  # difflib ratio for "did you mean": skewernet -> sneakernet 0.74; lose_loss_error -> lose lose 0.67
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
@@ -53,6 +57,7 @@ class Hit:
     text: str  # the opening of the entry's definition
     exact: bool = False  # the query named this headword: the one hit worth showing
     see: str | None = None  # the entry the headword points to, whose definition `text` is
+    near: str | None = None  # the query this headword is spelled like, when nothing matched it (did you mean)
 
 
 class SearchBackend(Protocol):
@@ -213,6 +218,9 @@ class FtsSearch:
             ).fetchall()
         hits = [exact] if exact else []
         hits += [Hit(title, opening(text)) for title, text in rows if not exact or title != exact.title]
+        if not hits:  # no entry by name or by word: a misspelt headword ("skewernet") gets the closest one
+            near = self.closest(query)
+            hits = [near] if near else []
         return hits[:limit]
 
     def lookup(self, query: str) -> Hit | None:
@@ -220,16 +228,26 @@ class FtsSearch:
         the headword its words open with."""
         headwords = self._headwords()
         for key in headword_keys(query) + leading_keys(query):
-            entry = headwords.get(key)
-            if entry is None:
-                continue
-            title, text = entry
-            target = redirect_target(text)
-            pointed = headwords.get(_key(target)) if target else None
-            if pointed is not None and pointed[0] != title:
-                return Hit(title, opening(pointed[1]), exact=True, see=pointed[0])
-            return Hit(title, opening(text), exact=True)
+            if key in headwords:
+                return self._entry(key)
         return None
+
+    def closest(self, query: str) -> Hit | None:
+        """The headword spelled most like the query (difflib's ratio at least CLOSEST), as a search engine's
+        "did you mean": a small model often misspells a rare word it copies ("sneakernet" as "skewernet")."""
+        key = _key(" ".join(query_terms(query)))
+        names = difflib.get_close_matches(key, self._headwords(), n=1, cutoff=CLOSEST) if key else []
+        return dataclasses.replace(self._entry(names[0]), near=shorten(key, 40)) if names else None
+
+    def _entry(self, key: str) -> Hit:
+        """The hit for a headword, with the definition of the entry it points to, if it is only a pointer."""
+        headwords = self._headwords()
+        title, text = headwords[key]
+        target = redirect_target(text)
+        pointed = headwords.get(_key(target)) if target else None
+        if pointed is not None and pointed[0] != title:
+            return Hit(title, opening(pointed[1]), exact=True, see=pointed[0])
+        return Hit(title, opening(text), exact=True)
 
     def _headwords(self) -> dict[str, tuple[str, str]]:
         """Every entry by its normalized headword (2,307 entries, read once)."""
@@ -269,8 +287,10 @@ def set_backend(backend: SearchBackend | None) -> None:
 
 
 def format_hit(hit: Hit, max_chars: int) -> str:
-    """`title: definition`, or `title (see other): definition` for a pointer, within max_chars."""
+    """`title: definition`, `title (see other): definition` for a pointer, `title (closest to "query"): ...`
+    for a near miss, within max_chars."""
     title = shorten(hit.title, 40) + (f" (see {shorten(hit.see, 40)})" if hit.see else "")
+    title += f' (closest to "{hit.near}")' if hit.near else ""
     return f"{title}: {shorten(hit.text, max(10, max_chars - len(title) - 2))}"
 
 
