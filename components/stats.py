@@ -17,8 +17,9 @@ def stats_markdown(session: Session | None, store: StoreStats, backend: str | No
                 f"{len(session.episodes)} turns")
     else:
         cache = session.cache
+        shared = f", {cache.shared} read from the shared prompt" if cache.shared else ""
         mine = (f"This chat: {len(cache)} tokens, {cache.cached} cached "
-                f"({cache.nbytes / MB:.1f} MB of KV), {len(session.episodes)} turns")
+                f"({cache.nbytes / MB:.1f} MB of KV of its own{shared}), {len(session.episodes)} turns")
     server = (f"Server: {store.sessions} session{'s' if store.sessions != 1 else ''}, "
               f"{store.kv_bytes / MB:.1f} MB of KV + {store.shared_bytes / MB:.1f} MB of shared prompts "
               f"(budget {store.budget_bytes / MB:.0f} MB)")

@@ -199,6 +199,8 @@ def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama)
     prefix = service.store.peek("page-1").session.cache.prefix
     assert prefix is not None and prefix is service.store.peek("page-2").session.cache.prefix
     assert service.shared_kv_bytes() == engine.shared_kv_bytes == kv_nbytes(prefix)  # two readers, one copy
+    session = service.store.peek("page-1").session
+    assert f"MB of KV of its own, {session.prompt_tokens} read from the shared prompt)" in service.stats(session)
     engine._prompt_caches.clear()  # as when visitors' own prompts push it out
     assert engine.shared_kv_bytes == 0 and service.shared_kv_bytes() == kv_nbytes(prefix)
 
