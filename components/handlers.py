@@ -28,83 +28,12 @@ from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame,
                               rewards)
 from components.chat import chat_messages, waiting_messages
 from components.compare import compare_markdown
+from components.inputs import clean_prompt, make_settings, settings_from_dict
 from components.stats import stats_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
-
-DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
-SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
-                "use_cache", "seed", "draft_tokens")
-
-
-MAX_PROMPT_CHARS = 8000
-
-
-def tool_names() -> list[str]:
-    return list(default_tools())
-
-
-def clean_prompt(prompt: str | None) -> str:
-    """The page's system prompt template, or a clear InputError (empty, too long)."""
-    if prompt is None or not prompt.strip():
-        raise InputError("the system prompt is empty; write one (`{tools}` is replaced by the tool list)")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise InputError(f"the system prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})")
-    return prompt
-
-
-def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature) -> Settings:
-    """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors."""
-    def number(name, value, kind):
-        if value is None or value == "":
-            raise InputError(f"{name} is empty; enter a number")
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise InputError(f"{name} must be a number, not {value!r}") from None
-        if kind is int and not as_float.is_integer():
-            raise InputError(f"{name} must be a whole number, not {value!r}")
-        return kind(as_float)
-
-    return dataclasses.replace(
-        DEFAULTS,
-        use_cache=bool(use_cache),
-        max_length=number("max_length", max_length, int),
-        max_new_tokens=number("max_new_tokens", max_new_tokens, int),
-        max_turns=number("max_turns", max_turns, int),
-        temperature=number("temperature", temperature, float),
-    )
-
-
-def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None, str | None]:
-    """API settings: any Settings field plus `tools` (list of names) and `prompt` (a system prompt template);
-    unknown keys are errors."""
-    if values is not None and not isinstance(values, dict):
-        raise InputError("settings must be a JSON object, e.g. {\"max_new_tokens\": 64}")
-    values = dict(values or {})
-    tools, prompt = values.pop("tools", None), values.pop("prompt", None)
-    unknown = sorted(set(values) - set(SETTING_KEYS))
-    if unknown:
-        raise InputError(f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(SETTING_KEYS)}, tools, prompt)")
-    try:
-        settings = dataclasses.replace(DEFAULTS, **values)
-    except TypeError as error:
-        raise InputError(f"bad settings: {error}") from None
-    for name in SETTING_KEYS:
-        value = getattr(settings, name)
-        expected = bool if name == "use_cache" else (float if name in ("temperature", "top_p") else int)
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            continue
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise InputError(f"setting {name} must be {expected.__name__}, got {value!r}")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
-        raise InputError("setting tools must be a list of tool names")
-    if prompt is not None and not isinstance(prompt, str):
-        raise InputError("setting prompt must be text (a system prompt; `{tools}` is replaced by the tool list)")
-    return settings, tools, None if prompt is None else clean_prompt(prompt)
-
 
 def failure_status(error: Exception, what: str, key: str) -> str:
     """The status line for a handler that failed: a user mistake or a model server's failure as is, anything else

@@ -8,7 +8,8 @@ from app.backend import concurrent_turns
 from app.config import ASSETS
 from app.engine import default_prompt_template
 from components.batch import MAX_BATCH, empty_frame
-from components.handlers import DEFAULTS, ChatService, tool_names
+from components.handlers import ChatService
+from components.inputs import DEFAULTS, tool_names
 from components.timing import COLOR_MAP as TIMING_COLORS
 from components.timing import prefill_frame, time_frame, timing_summary
 from components.tokens import COLOR_MAP

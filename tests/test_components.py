@@ -18,8 +18,9 @@ from app.kvcache import kv_nbytes
 from app.sessions import MB, SessionStore, StoreStats
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
-from components import handlers
-from components.handlers import ChatService, make_settings, settings_from_dict
+from components import inputs
+from components.handlers import ChatService
+from components.inputs import make_settings, settings_from_dict
 from components.stats import stats_markdown
 from components.tokens import COLOR_MAP, token_counts, token_spans, token_summary
 from tests.conftest import forced, plan_text
@@ -149,7 +150,7 @@ def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
     assert (s.use_cache, s.max_length, s.max_new_tokens, s.max_turns, s.temperature) == (False, 300, 8, 2, 0.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.max_length = 5
-    assert handlers.DEFAULTS.max_length == 2048 and handlers.DEFAULTS.use_cache  # the shared defaults untouched
+    assert inputs.DEFAULTS.max_length == 2048 and inputs.DEFAULTS.use_cache  # the shared defaults untouched
     with pytest.raises(InputError, match="max_length is empty"):
         make_settings(True, None, 8, 2, 0)
     with pytest.raises(InputError, match="whole number"):
@@ -181,9 +182,9 @@ def one_token_per_pass(monkeypatch):
     """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass."""
     import dataclasses
 
-    from components import handlers
+    from components import inputs
 
-    monkeypatch.setattr(handlers, "DEFAULTS", dataclasses.replace(handlers.DEFAULTS, draft_tokens=0))
+    monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0))
 
 def request(key: str = "page-1"):
     return types.SimpleNamespace(session_hash=key)

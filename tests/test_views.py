@@ -29,9 +29,9 @@ TOOLS = ["Calculator", "Search"]
 @pytest.fixture(autouse=True)
 def one_token_per_pass(monkeypatch):
     """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass."""
-    from components import handlers
+    from components import inputs
 
-    monkeypatch.setattr(handlers, "DEFAULTS", dataclasses.replace(handlers.DEFAULTS, draft_tokens=0))
+    monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0))
 
 
 def answer_episode(question: str, text: str, use_cache: bool = True, ms: float = 500.0) -> Episode:
