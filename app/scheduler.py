@@ -24,7 +24,6 @@ import torch
 
 from app import ragged
 from app.kvcache import TokenCache
-from app.threads import model_threads
 
 MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a row to leave
 CHUNK_BESIDE_DECODE = 64  # prefill tokens per step while other rows decode (~ one batched decode step's work)
@@ -114,7 +113,6 @@ class Scheduler:
     # ---- the scheduler's thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        torch.set_num_threads(model_threads())  # this thread alone runs parallel kernels (app.threads)
         while True:
             with self._cond:
                 while not self._waiting and not self._active:
