@@ -101,6 +101,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         at += len(row.ids)
     ids = torch.tensor([[t for row in rows for t in row.ids]])
     positions = torch.cat([torch.arange(row.start, row.start + len(row.ids)) for row in rows]).unsqueeze(0)
+    shared = [row.prefix.get_seq_length() if row.prefix is not None else 0 for row in rows]
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     for index, layer in enumerate(inner.layers):
@@ -110,13 +111,13 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         outs = []
-        for row, (a, b) in zip(rows, spans):
+        for row, (a, b), before in zip(rows, spans, shared):
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
             if row.prefix is None:
                 outs.append(_attend(q[:, :, a:b], keys, values, row.start, attn.scaling))
             else:
-                past = row.start - row.prefix.get_seq_length()
-                outs.append(_cascade(q[:, :, a:b], row.prefix.layers[index], keys, values, past, attn.scaling))
+                outs.append(_cascade(q[:, :, a:b], row.prefix.layers[index], keys, values, row.start - before,
+                                     attn.scaling))
         out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

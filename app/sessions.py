@@ -190,6 +190,10 @@ class SessionStore:
         Ids and history stay, so those sessions continue (recomputing their cache on the next turn). A session
         whose turn is running (its lock is held) is skipped: its cache is in use.
         """
+        return self._drop_to_budget(shared_bytes)[0]
+
+    def _drop_to_budget(self, shared_bytes: int) -> tuple[list[str], int]:
+        """enforce_budget's work: (the keys whose caches were dropped, the bytes held afterwards)."""
         dropped: list[str] = []
         with self._lock:
             entries = list(self._entries.items())  # oldest first
@@ -211,7 +215,7 @@ class SessionStore:
             dropped.append(key)
         if dropped:
             log.info("KV budget: dropped the cache of %d session(s)", len(dropped))
-        return dropped
+        return dropped, total
 
     def prefixes(self) -> list:
         """The shared prefixes (DynamicCaches) the sessions read: counted once each, by whoever sums them."""
@@ -241,10 +245,7 @@ class SessionStore:
                 self._turns.notify_all()
 
     def _over_budget(self, shared_bytes: int) -> bool:
-        self.enforce_budget(shared_bytes)
-        with self._lock:
-            entries = list(self._entries.values())
-        return shared_bytes + sum(e.kv_bytes for e in entries) > self.budget_bytes
+        return self._drop_to_budget(shared_bytes)[1] > self.budget_bytes
 
     def stats(self, shared_bytes: int = 0) -> StoreStats:
         with self._lock:
