@@ -24,11 +24,13 @@ import torch
 
 from app import ragged
 from app.kvcache import TokenCache
+from app.threads import use_model_threads
 
 MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a row to leave
 CHUNK_BESIDE_DECODE = 64  # prefill tokens per step while other rows decode (~ one batched decode step's work)
 CHUNK_ALONE = 512  # prefill tokens per step when no row is decoding (bounds a pass's activation memory)
 GATHER_S = 0.02  # how long a step waits for rows still choosing their last token (a fraction of a step)
+IDLE_EXIT_S = 5.0  # the thread (and its OpenMP pool, app.threads) ends after this long without work
 
 
 @dataclass(eq=False)
@@ -81,6 +83,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._segments = 0  # rows inside a segment (see segment()): their next pass is worth waiting for
+        self._releasing = False
 
     @contextmanager
     def segment(self) -> Iterator[None]:
@@ -110,13 +113,30 @@ class Scheduler:
             raise request.error
         return request.logits, request.fed, request.reused
 
+    def release(self) -> None:
+        """End the thread once its work is done, now rather than after IDLE_EXIT_S (the next forward starts
+        another): a process that then runs another model keeps one OpenMP pool (app.threads)."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return
+            self._releasing = True
+            self._cond.notify_all()
+        if thread is not threading.current_thread():
+            thread.join()
+
     # ---- the scheduler's thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        use_model_threads()  # this thread alone runs parallel kernels (app.threads)
         while True:
             with self._cond:
+                idle_until = time.monotonic() + IDLE_EXIT_S
                 while not self._waiting and not self._active:
-                    self._cond.wait()
+                    if self._releasing or time.monotonic() >= idle_until:
+                        self._thread, self._releasing = None, False
+                        return
+                    self._cond.wait(max(0.0, idle_until - time.monotonic()))
                 deadline = time.monotonic() + GATHER_S
                 while len(self._waiting) + len(self._active) < self._segments and time.monotonic() < deadline:
                     self._cond.wait(max(0.0, deadline - time.monotonic()))

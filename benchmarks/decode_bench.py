@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import app  # noqa: E402,F401  (first: one intra-op thread in every thread but the model's, app.threads)
 import torch  # noqa: E402
 
 from app.kvcache import new_kv  # noqa: E402
@@ -29,6 +31,7 @@ from app.model import WEIGHT_FORMATS, load_model  # noqa: E402
 from app.prompt import default_prompt_template, render_prompt  # noqa: E402
 from app.ragged import Row, ragged_forward  # noqa: E402
 from app.server_client import ModelServer  # noqa: E402
+from app.threads import use_model_threads  # noqa: E402
 from app.tools.registry import default_tools  # noqa: E402
 from app.tools.search import search_tool  # noqa: E402
 from server_bench import in_thread  # noqa: E402  (the model runs in a worker thread, as in the app)
@@ -54,6 +57,7 @@ def context_ids(tokenizer, length: int) -> list[int]:
 
 def in_process(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
     """(seconds to prefill `ids`, median ms per decoded token after them)."""
+    use_model_threads()
     kv = new_kv(model.config)
     began = time.perf_counter()
     logits = ragged_forward(model, [Row(kv, ids, 0, 1)])[0]
@@ -65,6 +69,13 @@ def in_process(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
         steps.append(time.perf_counter() - began)
         token = int(logits[-1].argmax())
     return prefill, 1000 * statistics.median(steps)
+
+
+@torch.inference_mode()
+def measure_in_process(model, tokenizer, runs: int, new_tokens: int) -> dict[str, float]:
+    """measure() for the app's own model step, warmed up first (run it in a worker thread, as the app does)."""
+    in_process(model, context_ids(tokenizer, 50), 2)
+    return measure(functools.partial(in_process, model), tokenizer, runs, new_tokens)
 
 
 def llama_cpp(server: ModelServer, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -90,17 +101,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per measurement")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    os.environ["MODEL_THREADS"] = "2"
 
     results: dict[str, dict[str, float]] = {}
     tokenizer = None
     for weights in WEIGHT_FORMATS:  # float32 first: the reference
         loaded = load_model(weights=weights)
         tokenizer = loaded.tokenizer
-        with torch.inference_mode():
-            in_process(loaded.model, context_ids(tokenizer, 50), 2)  # warm-up
-            results[weights] = in_thread(measure, functools.partial(in_process, loaded.model), tokenizer,
-                                         args.runs, args.tokens)
+        results[weights] = in_thread(measure_in_process, loaded.model, tokenizer, args.runs, args.tokens)
         del loaded
     with LlamaServer(ctx=4096, parallel=1, threads=2) as server:
         client = ModelServer(server.url, timeout_s=300)

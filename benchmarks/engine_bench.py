@@ -8,20 +8,24 @@ Every target is a ratio of two numbers measured in the same run, since the machi
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import app  # noqa: E402,F401  (before torch: one intra-op thread in every thread but the model's)
+import torch  # noqa: E402
 
 from app.decoding import Detokenizer  # noqa: E402
 from app.engine import Engine, Settings, TextDelta, default_prompt_template  # noqa: E402
 from app.model import load_model  # noqa: E402
 from app.protocol import STOP_STRINGS  # noqa: E402
+from app.threads import use_model_threads  # noqa: E402
+from server_bench import in_thread  # noqa: E402
 
 # Few-shot examples that make the bundled model call the calculator three times in one answer.
 MULTI_CALL = """Q: What are 12 * 7, 3 * 5 and 40 + 15?
@@ -125,6 +129,7 @@ def attention_paths(loaded) -> dict:
     copies key/value heads per query head under a mask) and with app/attention.py's grouped path; interleaved."""
     from transformers import DynamicCache
 
+    use_model_threads()
     model, current = loaded.model, loaded.model.config._attn_implementation
     caches = {}
     for n in (700, 1500):
@@ -189,7 +194,7 @@ def model_ready() -> tuple[float, float, float]:
 
 
 def main() -> None:
-    torch.set_num_threads(2)
+    os.environ["MODEL_THREADS"] = "2"  # the scheduler's thread (app.threads)
     loaded = load_model()
     prompt = default_prompt_template().replace("Q: Hello, who are you?", MULTI_CALL + "Q: Hello, who are you?")
     engine = Engine(loaded, prompt=prompt)
@@ -201,7 +206,7 @@ def main() -> None:
     decode_step = sum(on["decode"]) / len(on["decode"])
     per_token = stop_check_cost(loaded, engine, on["ids"][prompt_tokens:])
     process_ready, imports, load_only = model_ready()
-    attn = attention_paths(loaded)
+    attn = in_thread(attention_paths, loaded)  # on MODEL_THREADS, like the scheduler's passes
     impl = loaded.model.config._attn_implementation
     t_on, t_off = turns[True], turns[False]
 

@@ -1,0 +1,35 @@
+"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.scheduler).
+
+Every thread that runs a parallel kernel gets an OpenMP thread pool of its own, and once a second pool exists,
+small kernels run about twice as slowly in every thread on this 2-core machine (measured: an int8 `_int_mm` of
+decode size 49-67 us in the only pooled thread against 141-194 us in a second one; a whole int8 decode step
+29-31 ms on the main thread against 50-52 ms on the scheduler's thread after the main thread had loaded the
+model). So every thread starts with one intra-op thread (OMP_NUM_THREADS=1, set before torch starts OpenMP) and
+the scheduler's thread alone takes MODEL_THREADS (default: the cores this process may use).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def one_thread_by_default() -> None:
+    """Make one intra-op thread every thread's default (effective only before torch is imported)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def model_threads() -> int:
+    """Intra-op threads for the model's forward passes: MODEL_THREADS, else the cores this process may use."""
+    value = os.environ.get("MODEL_THREADS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MODEL_THREADS must be a whole number of at least 1, not {value!r}")
+        return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def use_model_threads() -> None:
+    """Give the calling thread (the one that runs the model's passes) its MODEL_THREADS intra-op threads."""
+    import torch
+
+    torch.set_num_threads(model_threads())

@@ -1,0 +1,85 @@
+"""Only the scheduler's thread runs parallel kernels (app.threads): every other thread starts with one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.threads import model_threads
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_importing_the_backend_makes_one_intra_op_thread_the_default_and_the_scheduler_takes_more():
+    probe = ("import os; os.environ['MODEL_THREADS'] = '2'; os.environ.pop('OMP_NUM_THREADS', None);"
+             "import app, torch, transformers as t; import app.ragged as ragged;"
+             "from app.scheduler import Scheduler; from app.kvcache import TokenCache;"
+             "m = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,"
+             " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval();"
+             "seen = []; run = ragged.ragged_forward;"
+             "ragged.ragged_forward = lambda model, rows: (seen.append(torch.get_num_threads()), run(model, rows))[1];"
+             "Scheduler(m).forward(TokenCache([1, 2, 3]));"
+             "print(torch.get_num_threads(), seen[0])")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "2"]  # this (main) thread: one; the scheduler's: MODEL_THREADS
+
+
+@pytest.mark.parametrize("value, expected", [("3", 3), ("1", 1), (" 2 ", 2)])
+def test_model_threads_reads_its_setting(monkeypatch, value, expected):
+    monkeypatch.setenv("MODEL_THREADS", value)
+    assert model_threads() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_bad_model_threads_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("MODEL_THREADS", value)
+    with pytest.raises(ValueError, match="MODEL_THREADS must be a whole number"):
+        model_threads()
+
+
+def test_without_a_setting_the_model_gets_every_core(monkeypatch):
+    monkeypatch.delenv("MODEL_THREADS", raising=False)
+    assert model_threads() >= 1
+
+
+def tiny_llama():
+    import transformers as t
+
+    config = t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    return t.LlamaForCausalLM(config).eval()
+
+
+def test_the_scheduler_thread_ends_when_released_and_a_later_pass_starts_another():
+    """Regression: a process that ran two models (a benchmark of two formats) kept two scheduler threads, so two
+    OpenMP pools, and the second model's small kernels ran ~2x slower."""
+    from app.kvcache import TokenCache
+    from app.scheduler import Scheduler
+
+    scheduler = Scheduler(tiny_llama())
+    logits, _, _ = scheduler.forward(TokenCache([1, 2, 3]))
+    first = scheduler._thread
+    assert first is not None and first.is_alive()
+    scheduler.release()
+    assert not first.is_alive() and scheduler._thread is None
+    again, _, _ = scheduler.forward(TokenCache([1, 2, 3]))
+    assert scheduler._thread is not None and scheduler._thread is not first
+    assert torch.equal(logits, again)
+    scheduler.release()
+
+
+def test_an_idle_scheduler_thread_ends_by_itself(monkeypatch):
+    from app import scheduler as module
+    from app.kvcache import TokenCache
+
+    monkeypatch.setattr(module, "IDLE_EXIT_S", 0.05)
+    scheduler = module.Scheduler(tiny_llama())
+    scheduler.forward(TokenCache([1, 2, 3]))
+    thread = scheduler._thread
+    thread.join(timeout=10)
+    assert not thread.is_alive() and scheduler._thread is None
