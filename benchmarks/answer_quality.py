@@ -4,8 +4,10 @@
     python3 benchmarks/answer_quality.py --episodes    # ... and every episode as the model wrote it
     python3 benchmarks/answer_quality.py --set dev     # the tuning set instead of the reported one
     python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only)
+    python3 benchmarks/answer_quality.py --weights float32 int8   # both formats, and every answer that differs
 
-Each question runs greedy in a fresh session (the page's first turn). The reported ("test") look-ups are
+Each question runs greedy in a fresh session (the page's first turn); then the built-in Batch questions
+(assets/batch_questions.json) run as one batch. The reported ("test") look-ups are
 Jargon File headwords that appear nowhere in the system prompt; their key phrases were written from each
 entry's opening sense before any run. The "dev" set (the look-up words of the issue that reported the problem,
 and arithmetic and chit-chat questions of its own, written before any run) is the one changes are tried on, so
@@ -25,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.decoding import StopReason  # noqa: E402
 from app.engine import Engine, Episode, Settings  # noqa: E402
-from app.model import load_model  # noqa: E402
+from app.model import WEIGHT_FORMATS, load_model, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
-from app.rewards import exact_match  # noqa: E402
+from app.rewards import builtin_questions, exact_match  # noqa: E402
 
 # The page's defaults (components/handlers.py DEFAULTS), without importing Gradio.
 PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
@@ -165,44 +167,76 @@ def transcript(episode: Episode) -> str:
     return "\n".join(parts)
 
 
+def run_set(engine: Engine, which: str, settings: Settings, episodes: bool) -> dict:
+    """Every question of a set, each in a fresh session, and the built-in Batch questions as one batch."""
+    tallies = {"look-up": Tally(), "arithmetic": Tally(), "chit-chat": Tally()}
+    answers, seconds, began = {}, [], time.perf_counter()
+    work = ([("look-up", q, lambda e, k=k: lookup_row(e, k, settings)) for q, k in LOOKUPS[which]]
+            + [("arithmetic", q, lambda e, x=x: arithmetic_row(e, x, settings)) for q, x in ARITHMETIC[which]]
+            + [("chit-chat", q, lambda e: chitchat_row(e, settings)) for q in CHITCHAT[which]])
+    for kind, question, score in work:
+        episode = engine.ask(engine.new_session(), question, settings)
+        row = score(episode)
+        tallies[kind].rows.append(row)
+        answers[question] = episode.answer
+        seconds.append(episode.ms / 1000)
+        if episodes:
+            print(f"\n{kind} {row}\n{transcript(episode)}")
+    builtin = builtin_questions()
+    batch = engine.run([q for q, _ in builtin], settings,
+                       reward_fn=lambda row, episode: exact_match(episode.answer, builtin[row][1]))
+    answers.update((q, episode.answer) for (q, _), episode in zip(builtin, batch))
+    print(f"{len(work)} questions in {time.perf_counter() - began:.0f} s (median {statistics.median(seconds):.1f} s, "
+          f"max {max(seconds):.1f} s an episode)")
+    return dict(tallies=tallies, answers=answers, batch=f"{sum(e.reward for e in batch):.0f}/{len(batch)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--set", choices=sorted(LOOKUPS), default="test", help="which look-up questions")
     parser.add_argument("--episodes", action="store_true", help="print every episode")
     parser.add_argument("--prompt", type=Path, help="a prompt template file instead of the default")
+    parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=[weight_format()],
+                        help="formats to run, one after another (the first is compared with the others)")
     args = parser.parse_args()
+    prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
 
-    engine = Engine(load_model(), prompt=args.prompt.read_text(encoding="utf-8") if args.prompt else None)
-    settings = PAGE
-    print(f"system prompt: {len(engine.new_session().cache)} tokens; settings: {settings}")
-    tallies = {"look-up": Tally(), "arithmetic": Tally(), "chit-chat": Tally()}
-    seconds: list[float] = []
-    began = time.perf_counter()
-    work = ([("look-up", q, lambda e, k=k: lookup_row(e, k, settings)) for q, k in LOOKUPS[args.set]]
-            + [("arithmetic", q, lambda e, x=x: arithmetic_row(e, x, settings)) for q, x in ARITHMETIC[args.set]]
-            + [("chit-chat", q, lambda e: chitchat_row(e, settings)) for q in CHITCHAT[args.set]])
-    for kind, question, score in work:
-        episode = engine.ask(engine.new_session(), question, settings)
-        row = score(episode)
-        tallies[kind].rows.append(row)
-        seconds.append(episode.ms / 1000)
-        if args.episodes:
-            print(f"\n{kind} {row}\n{transcript(episode)}")
-
-    print(f"\n{len(work)} questions in {time.perf_counter() - began:.0f} s "
-          f"(median {statistics.median(seconds):.1f} s, max {max(seconds):.1f} s an episode)\n")
-    look, calc, chat = tallies["look-up"], tallies["arithmetic"], tallies["chit-chat"]
-    print(f"| set | questions | measure | value |\n|---|---|---|---|")
-    print(f"| look-up ({args.set}) | {len(look.rows)} | `<submit>` after exactly one search | {look.rate('clean')} |")
-    if any(keys for _, keys in LOOKUPS[args.set]):
-        print(f"| | | answer holds a key phrase of the definition | {look.rate('key')} |")
-    print(f"| | | reached max_turns or max_length | {look.rate('limits')} |")
-    print(f"| arithmetic ({args.set}) | {len(calc.rows)} | calculator called | {calc.rate('calc')} |")
-    print(f"| | | correct | {calc.rate('correct')} |")
-    print(f"| chit-chat ({args.set}) | {len(chat.rows)} | no tool call | {chat.rate('no_tool')} |")
-    print(f"| | | ended with `<submit>` or EOS | {chat.rate('ended')} |")
-    print(f"| | | reached max_turns or max_length | {chat.rate('limits')} |")
+    runs = {}
+    for weights in args.weights:
+        loaded = load_model(weights=weights)
+        engine = Engine(loaded, prompt=prompt)
+        print(f"\n{weights}: system prompt {len(engine.new_session().cache)} tokens; settings: {PAGE}")
+        runs[weights] = run_set(engine, args.set, PAGE, args.episodes)
+        loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
+    print_table(args.set, runs)
+    first, *others = runs
+    for other in others:
+        changed = [(q, a, runs[other]["answers"][q]) for q, a in runs[first]["answers"].items()
+                   if runs[other]["answers"][q] != a]
+        print(f"\nanswers that differ, {first} → {other}: {len(changed)} of {len(runs[first]['answers'])}")
+        for question, before, after in changed:
+            print(f"- {question}\n    {before!r}\n    {after!r}")
     return 0
+
+
+def print_table(which: str, runs: dict[str, dict]) -> None:
+    def cells(kind: str, key: str) -> str:
+        return " | ".join(run["tallies"][kind].rate(key) for run in runs.values())
+
+    print(f"\n| set | questions | measure | {' | '.join(runs)} |\n|---|---|---|{'---|' * len(runs)}")
+    look = next(iter(runs.values()))["tallies"]
+    print(f"| look-up ({which}) | {len(look['look-up'].rows)} | `<submit>` after exactly one search | "
+          f"{cells('look-up', 'clean')} |")
+    if any(keys for _, keys in LOOKUPS[which]):
+        print(f"| | | answer holds a key phrase of the definition | {cells('look-up', 'key')} |")
+    print(f"| | | reached max_turns or max_length | {cells('look-up', 'limits')} |")
+    print(f"| arithmetic ({which}) | {len(look['arithmetic'].rows)} | calculator called | {cells('arithmetic', 'calc')} |")
+    print(f"| | | correct | {cells('arithmetic', 'correct')} |")
+    print(f"| chit-chat ({which}) | {len(look['chit-chat'].rows)} | no tool call | {cells('chit-chat', 'no_tool')} |")
+    print(f"| | | ended with `<submit>` or EOS | {cells('chit-chat', 'ended')} |")
+    print(f"| | | reached max_turns or max_length | {cells('chit-chat', 'limits')} |")
+    print(f"| built-in Batch questions | {len(builtin_questions())} | correct | "
+          f"{' | '.join(run['batch'] for run in runs.values())} |")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """This project vs TRL 0.20.0's TextEnvironment on the same workload, in one invocation.
 
     python3 benchmarks/vs_trl.py            # builds benchmarks/.trl-venv on first use (~1 min)
+    python3 benchmarks/vs_trl.py --chart assets/benchmark_vs_trl.png   # ... and redraws the README's chart
 
-Both sides: the bundled SmolLM2-135M-Instruct (float32), the same 24-example few-shot calculator prompt, the
-same 8 questions, greedy, 2 threads, max_new_tokens 32, max_turns 4; one episode per call, then all 8 as one
-batch. TRL runs in its own virtual environment (transformers 4.x) as a subprocess; model loading is excluded
-on both sides. Prints a table and writes assets/benchmark_vs_trl.png.
+Both sides: the bundled SmolLM2-135M-Instruct (float32; our last column in int8, app/int8.py), the same
+24-example few-shot calculator prompt, the same 8 questions, greedy, 2 threads, max_new_tokens 32, max_turns 4;
+one episode per call, then all 8 as one batch. TRL runs in its own virtual environment (transformers 4.x) as a
+subprocess; model loading is excluded on both sides. Prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +25,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+import app  # noqa: E402,F401  (before torch: one intra-op thread in every thread but the model's)
 import torch  # noqa: E402
 
 import workload  # noqa: E402
@@ -31,7 +34,6 @@ from app.model import BUNDLED_GGUF, bundled_model_dir, load_model  # noqa: E402
 from app.tools.registry import get_tools  # noqa: E402
 
 SETTINGS = dict(max_new_tokens=32, max_turns=4, max_tool_response=100)
-CHART = ROOT / "assets" / "benchmark_vs_trl.png"
 
 
 def run_trl(venv: Path, out: Path, threads: int) -> dict:
@@ -45,9 +47,17 @@ def episode_text(episode) -> str:
     return "".join(s.text for s in episode.segments)
 
 
-def run_ours(use_cache: bool, draft_tokens: int) -> dict:
+def run_ours(weights: str, use_cache: bool, draft_tokens: int) -> dict:
     """Per-episode and batch runs on this project's engine (the shared prompt cache is built once, timed apart)."""
-    engine = Engine(load_model(), tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt())
+    loaded = load_model(weights=weights)
+    try:
+        return run_engine(Engine(loaded, tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt()),
+                          use_cache, draft_tokens)
+    finally:
+        loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
+
+
+def run_engine(engine: Engine, use_cache: bool, draft_tokens: int) -> dict:
     settings = Settings(use_cache=use_cache, draft_tokens=draft_tokens, **SETTINGS)
     began = time.perf_counter()
     engine.new_session(use_cache=use_cache)  # one prefill of the prompt per process, shared by every session
@@ -113,7 +123,7 @@ def chart(trl: dict, ours: dict[str, dict], path: Path) -> None:
     runs = [trl, *ours.values()]
     seconds = [r["per_episode"]["mean_seconds"] for r in runs]
     prefill = [r["per_episode"]["mean_prefill_tokens"] for r in runs]
-    colors = ["#9ca3af", "#f59e0b", "#818cf8", "#4f46e5"][: len(runs)]
+    colors = ["#9ca3af", "#f59e0b", "#818cf8", "#4f46e5", "#16a34a"][: len(runs)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     for ax, values, title, fmt in ((left, seconds, "seconds per episode (mean of 8)", "{:.2f} s"),
                                    (right, prefill, "tokens prefilled per episode", "{:.0f}")):
@@ -133,14 +143,16 @@ def main() -> None:
     parser.add_argument("--venv", type=Path, default=HERE / ".trl-venv")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--trl-json", type=Path, help="reuse a trl_side.py result instead of running TRL")
+    parser.add_argument("--chart", type=Path, help="write the chart (seconds and prefill tokens) to this file")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    os.environ["MODEL_THREADS"] = str(args.threads)  # the scheduler's thread (app.threads)
     out_dir = HERE / "out"
     out_dir.mkdir(exist_ok=True)
     trl = json.loads(args.trl_json.read_text()) if args.trl_json else run_trl(args.venv, out_dir / "trl.json", args.threads)
-    ours = {"ours, no cache": run_ours(use_cache=False, draft_tokens=0),
-            "ours, cache": run_ours(use_cache=True, draft_tokens=0),
-            "ours, cache + drafts": run_ours(use_cache=True, draft_tokens=8)}
+    ours = {"ours, no cache": run_ours("float32", use_cache=False, draft_tokens=0),
+            "ours, cache": run_ours("float32", use_cache=True, draft_tokens=0),
+            "ours, cache + drafts": run_ours("float32", use_cache=True, draft_tokens=8),
+            "ours, int8, cache + drafts": run_ours("int8", use_cache=True, draft_tokens=8)}
     (out_dir / "ours.json").write_text(json.dumps(ours, indent=1))
     header = ["", "TRL 0.20.0", *ours]
     widths = [28] + [max(12, len(h) + 2) for h in header[1:]]
@@ -148,10 +160,11 @@ def main() -> None:
     for row in table(trl, ours):
         print("".join(f"{v:>{w}}" if i else f"{v:<{w}}" for i, (v, w) in enumerate(zip(row, widths))))
     same = len({json.dumps([e["answer"] for e in r["episodes"]]) for r in ours.values()}) == 1
-    print(f"\nsame answers in all three runs of ours: {same}")
+    print(f"\nsame answers in every run of ours: {same}")
     print(f"versions: TRL side {trl['versions']}; ours torch {torch.__version__}")
-    chart(trl, ours, CHART)
-    print(f"chart: {CHART.relative_to(ROOT)}")
+    if args.chart:
+        chart(trl, ours, args.chart)
+        print(f"chart: {args.chart}")
 
 
 if __name__ == "__main__":

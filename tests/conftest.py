@@ -15,7 +15,7 @@ from app.protocol import encode
 
 @pytest.fixture(scope="session")
 def real() -> LoadedModel:
-    return load_model()  # in the configured format (WEIGHTS): float32 by default
+    return load_model()  # in the configured format (WEIGHTS): int8 by default
 
 
 def logit_tolerance(loaded: LoadedModel) -> float:

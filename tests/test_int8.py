@@ -77,7 +77,7 @@ def test_int8_covers_llama_family_models_only(tiny):
         to_int8(tiny.model)
 
 
-@pytest.mark.parametrize("value,expected", [("", "float32"), ("int8", "int8"), ("FLOAT32", "float32"),
+@pytest.mark.parametrize("value,expected", [("", "int8"), ("int8", "int8"), ("FLOAT32", "float32"),
                                             (" float32 ", "float32"), ("bf16", None)])
 def test_weights_setting(monkeypatch, value, expected):
     monkeypatch.setenv("WEIGHTS", value)
