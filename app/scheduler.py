@@ -30,7 +30,6 @@ MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a r
 CHUNK_BESIDE_DECODE = 64  # prefill tokens per step while other rows decode (~ one batched decode step's work)
 CHUNK_ALONE = 512  # prefill tokens per step when no row is decoding (bounds a pass's activation memory)
 GATHER_S = 0.02  # how long a step waits for rows still choosing their last token (a fraction of a step)
-IDLE_EXIT_S = 5.0  # the thread (and its OpenMP pool, app.threads) ends after this long without work
 
 
 @dataclass(eq=False)
@@ -114,8 +113,9 @@ class Scheduler:
         return request.logits, request.fed, request.reused
 
     def release(self) -> None:
-        """End the thread once its work is done, now rather than after IDLE_EXIT_S (the next forward starts
-        another): a process that then runs another model keeps one OpenMP pool (app.threads)."""
+        """End the thread (and its OpenMP pool) once its work is done; the next forward starts another. For a
+        process that then runs another model: it keeps one pool (app.threads). The thread never ends by itself:
+        one ending while the process exits aborted it (a C++ `terminate` in the threads' teardown)."""
         with self._cond:
             thread = self._thread
             if thread is None:
@@ -131,12 +131,11 @@ class Scheduler:
         use_model_threads()  # this thread alone runs parallel kernels (app.threads)
         while True:
             with self._cond:
-                idle_until = time.monotonic() + IDLE_EXIT_S
                 while not self._waiting and not self._active:
-                    if self._releasing or time.monotonic() >= idle_until:
+                    if self._releasing:
                         self._thread, self._releasing = None, False
                         return
-                    self._cond.wait(max(0.0, idle_until - time.monotonic()))
+                    self._cond.wait()
                 deadline = time.monotonic() + GATHER_S
                 while len(self._waiting) + len(self._active) < self._segments and time.monotonic() < deadline:
                     self._cond.wait(max(0.0, deadline - time.monotonic()))

@@ -71,15 +71,3 @@ def test_the_scheduler_thread_ends_when_released_and_a_later_pass_starts_another
     assert scheduler._thread is not None and scheduler._thread is not first
     assert torch.equal(logits, again)
     scheduler.release()
-
-
-def test_an_idle_scheduler_thread_ends_by_itself(monkeypatch):
-    from app import scheduler as module
-    from app.kvcache import TokenCache
-
-    monkeypatch.setattr(module, "IDLE_EXIT_S", 0.05)
-    scheduler = module.Scheduler(tiny_llama())
-    scheduler.forward(TokenCache([1, 2, 3]))
-    thread = scheduler._thread
-    thread.join(timeout=10)
-    assert not thread.is_alive() and scheduler._thread is None
