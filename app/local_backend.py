@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.answer_line import AnswerLine, mask
+from app.answer_line import AnswerLine
 from app.backend import SegmentRun
 from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, next_token
 from app.kvcache import TokenCache
@@ -101,23 +101,23 @@ class LocalBackend:
 
     def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
                 line: AnswerLine) -> list[int]:
-        """The new tokens: the drafts the model agrees with, then the model's own next token, none of them a
-        newline on the answer line."""
+        """The new tokens: the drafts the model agrees with, then the model's own next token, none of them one
+        the answer line cannot take (app.answer_line)."""
+        grammar = self.loaded.answer_grammar
         if not drafts:
-            last = mask(logits[-1], self.loaded.newline_ids) if line.on_answer else logits[-1]
-            return [next_token(last, settings.temperature, settings.top_p, generator)]
+            return [next_token(grammar.mask(logits[-1], line), settings.temperature, settings.top_p, generator)]
         greedy = logits.argmax(dim=-1).tolist()
         accepted = 0
         while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
             accepted += 1
         tokens = drafts[:accepted] + [greedy[accepted]]
-        # A draft may open the answer line mid-step: the first token that breaks it is the masked argmax there
-        # (where the argmax is no newline, masking does not change it), and the tokens after it are dropped.
+        # A draft may open the answer line mid-step: the first token the line cannot take is replaced by the masked
+        # argmax there (where the argmax is allowed, masking does not change it), and the tokens after it dropped.
         ahead = line.copy()
         with self.lock:  # the tokenizer
             for i, token in enumerate(tokens):
-                text = self.tokenizer.decode([token])
-                if ahead.on_answer and "\n" in text:
-                    return tokens[:i] + [int(mask(logits[i], self.loaded.newline_ids).argmax())]
-                ahead.push(text)
+                banned = grammar.banned(ahead)
+                if banned is not None and token in banned[1]:
+                    return tokens[:i] + [int(grammar.mask(logits[i], ahead).argmax())]
+                ahead.push(self.tokenizer.decode([token]))
         return tokens

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from app.answer_line import newline_token_ids
+from app.answer_line import AnswerGrammar
 from app.attention import use_gqa_sdpa
 from app.int8 import to_int8
 from app.ragged import supports
@@ -61,10 +61,10 @@ class LoadedModel:
         return special_token_texts(self.tokenizer)
 
     @functools.cached_property
-    def newline_ids(self) -> torch.Tensor:
-        """The tokens whose text holds a newline (masked on the answer line: app.answer_line), found once."""
-        with self.lock:
-            return torch.tensor(newline_token_ids(self.tokenizer), dtype=torch.long)
+    def answer_grammar(self) -> AnswerGrammar:
+        """The tokens banned on the answer line (app.answer_line), built once per model."""
+        with self.lock:  # the tokenizer
+            return AnswerGrammar(self.tokenizer)
 
 
 def special_token_texts(tokenizer) -> list[str]:

@@ -94,7 +94,7 @@ def test_a_request_closed_with_response_runs_the_tool_and_keeps_no_response_the_
     assert "<call>" not in tokenizer.decode(generated) and "<response>" not in tokenizer.decode(generated)
 
 
-@pytest.mark.parametrize("text", ["Result = 5<response>", "<request><Calculator>2+3\nResult = 5<response>"])
+@pytest.mark.parametrize("text", ["The sum is 5<response>", "<request><Calculator>2+3\nIt is 5<response>"])
 def test_response_written_outside_a_request_ends_the_answer_and_is_not_kept(tiny_llama, tokenizer, text):
     _, session, episode = run(forced(tiny_llama, plan_text(tokenizer, (0, text + " more"))), max_new_tokens=40)
     (segment,) = episode.segments
@@ -132,9 +132,8 @@ def test_the_answer_line_cannot_end_in_a_newline(tiny_llama, tokenizer, before):
     assert (last.stop.reason, last.stop.string) == (StopReason.STRING_MATCH, "<submit>"), last
     assert last.text.lstrip("\n").startswith(answer) and "\n" not in last.text.lstrip("\n")
     assert len(episode.segments) == (3 if before else 1)
-    newlines = set(loaded.newline_ids.tolist())
     answer_ids = session.cache.ids[last.start:last.end]
-    assert newlines & set(answer_ids[1 if before else 0:]) == set()
+    assert not any("\n" in tokenizer.decode([t]) for t in answer_ids[1 if before else 0:])
 
 
 @pytest.mark.parametrize("line, drafted, expected", [
@@ -162,6 +161,70 @@ def test_drafts_never_put_a_newline_on_the_answer_line(tiny_llama, tokenizer, li
         assert chosen == wanted
     else:
         assert chosen == [ids[t] for t in expected] + [ids["!"]]
+
+
+def test_the_answer_line_never_writes_response(tiny_llama, tokenizer):
+    """The model's "response" after "Result = 5<" is masked on real forward passes (the tiny model then writes
+    whatever it likes best), so the answer is not cut at a `<response>`."""
+    _, session, episode = run(forced(tiny_llama, plan_text(tokenizer, (0, "Result = 5<response> more"))),
+                              max_new_tokens=12)
+    (segment,) = episode.segments
+    assert segment.text.startswith("Result = 5<") and segment.stop.string != "<response>"
+    assert "<response" not in tokenizer.decode(session.cache.ids[segment.start:])
+
+
+@pytest.mark.parametrize("line, drafted, expected", [
+    ("Result = Hi!<", [], []),  # "<" then "response": masked, the best allowed token is "submit"
+    ("Result = Hi!", ["<"], ["<"]),  # a drafted "<" is fine; the model's "response" after it is not
+    ("Result = Hi!", ["<", "response", ">"], ["<"]),  # an accepted draft "response" is replaced, ">" dropped
+    ("Hi!", ["<"], None),  # no answer line: the tools' marker stays (the stop then ends the segment)
+])
+def test_on_the_answer_line_a_tag_can_only_be_submit(tiny_llama, tokenizer, line, drafted, expected):
+    """Regression (answer_quality.py, int8): "Result = Good morning!<response>" ended the answer without
+    <submit>. LocalBackend._choose on logits that agree with every draft, then prefer "response"; second best:
+    "submit"."""
+    from app.answer_line import AnswerLine
+    from app.local_backend import LocalBackend
+
+    ids = {text: encode(tokenizer, text)[0] for text in ("<", "response", ">", "submit")}
+    drafts = [ids[t] for t in drafted]
+    wanted = drafts + [ids["response"]]
+    logits = torch.zeros(len(wanted), len(tokenizer))
+    for i, token in enumerate(wanted):
+        logits[i, token] = 10.0
+        logits[i, ids["submit"]] = 5.0
+    state = AnswerLine()
+    state.push(line)
+    chosen = LocalBackend(tiny_llama)._choose(logits, drafts, Settings(), None, state)
+    if expected is None:
+        assert chosen == wanted
+    else:
+        assert chosen == [ids[t] for t in expected] + [ids["submit"]]
+
+
+@pytest.mark.parametrize("text, breaks", [
+    ("Result = 5", False), ("\n", True), ("<", False), ("<sub", False), ("<submit>", False), ("<response>", True),
+    ("<r", True), ("< 5", False), ("3 <5", False), ("<submitted", True), ("<s>", True), ("<|im_end|>", False),
+    (".<", False), ("a<call>", True),
+])
+def test_what_breaks_the_answer_line(text, breaks):
+    from app.answer_line import breaks_the_line
+
+    assert breaks_the_line(text) is breaks
+
+
+@pytest.mark.parametrize("pushed, on_answer, open_tag", [
+    (["Result = 5"], True, None), (["Result = 5<"], True, ""), (["Result = 5", "<sub"], True, "sub"),
+    (["Result = 5<sub", "mit>"], True, None), (["Result = 5\n", "Q:"], False, None), (["Q: x <"], False, ""),
+    (["Result = a very long answer that goes on and on", " <sub"], True, "sub"),
+])
+def test_the_answer_line_knows_its_opening_and_an_open_tag(pushed, on_answer, open_tag):
+    from app.answer_line import AnswerLine
+
+    line = AnswerLine()
+    for delta in pushed:
+        line.push(delta)
+    assert (line.on_answer, line.open_tag) == (on_answer, open_tag)
 
 
 def test_a_line_that_is_no_answer_still_ends_in_a_newline(tiny_llama, tokenizer):
