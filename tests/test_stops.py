@@ -136,6 +136,25 @@ def test_the_answer_line_cannot_end_in_a_newline(tiny_llama, tokenizer, before):
     assert not any("\n" in tokenizer.decode([t]) for t in answer_ids[1 if before else 0:])
 
 
+def choose(loaded, tokenizer, line: str, drafted: list[str], best: str,
+           second: str) -> tuple[list[int], list[int], dict[str, int]]:
+    """LocalBackend._choose on logits that agree with every draft, then prefer `best`; second best everywhere:
+    `second`. Returns (chosen ids, the model's unmasked greedy ids, ids of the texts by name)."""
+    from app.answer_line import AnswerLine
+    from app.local_backend import LocalBackend
+
+    ids = {text: encode(tokenizer, text)[0] for text in {*drafted, best, second}}
+    drafts = [ids[t] for t in drafted]
+    wanted = drafts + [ids[best]]  # the model's greedy choice at each position
+    logits = torch.zeros(len(wanted), len(tokenizer))
+    for i, token in enumerate(wanted):
+        logits[i, token] = 10.0
+        logits[i, ids[second]] = 5.0
+    state = AnswerLine()
+    state.push(line)
+    return LocalBackend(loaded)._choose(logits, drafts, Settings(), None, state), wanted, ids
+
+
 @pytest.mark.parametrize("line, drafted, expected", [
     ("Result = 5", [], []),  # one token, no drafts: the newline is masked before it is chosen
     ("Result = 5", ["\n", "Q", ":"], []),  # an accepted draft newline is replaced, the drafts after it dropped
@@ -143,24 +162,8 @@ def test_the_answer_line_cannot_end_in_a_newline(tiny_llama, tokenizer, before):
     ("The sum is 5", ["\n", "Q"], None),  # no answer line: the newline stays
 ])
 def test_drafts_never_put_a_newline_on_the_answer_line(tiny_llama, tokenizer, line, drafted, expected):
-    """LocalBackend._choose on logits that agree with every draft, then prefer a newline; second best: `other`."""
-    from app.answer_line import AnswerLine
-    from app.local_backend import LocalBackend
-
-    ids = {text: encode(tokenizer, text)[0] for text in ("\n", "Q", ":", "Result", " =", " 5", "!")}
-    drafts = [ids[t] for t in drafted]
-    wanted = drafts + [ids["\n"]]  # the model's greedy choice at each position
-    logits = torch.zeros(len(wanted), len(tokenizer))
-    for i, token in enumerate(wanted):
-        logits[i, token] = 10.0
-        logits[i, ids["!"]] = 5.0
-    state = AnswerLine()
-    state.push(line)
-    chosen = LocalBackend(tiny_llama)._choose(logits, drafts, Settings(), None, state)
-    if expected is None:
-        assert chosen == wanted
-    else:
-        assert chosen == [ids[t] for t in expected] + [ids["!"]]
+    chosen, wanted, ids = choose(tiny_llama, tokenizer, line, drafted, best="\n", second="!")
+    assert chosen == (wanted if expected is None else [ids[t] for t in expected] + [ids["!"]])
 
 
 def test_the_answer_line_never_writes_response(tiny_llama, tokenizer):
@@ -181,25 +184,9 @@ def test_the_answer_line_never_writes_response(tiny_llama, tokenizer):
 ])
 def test_on_the_answer_line_a_tag_can_only_be_submit(tiny_llama, tokenizer, line, drafted, expected):
     """Regression (answer_quality.py, int8): "Result = Good morning!<response>" ended the answer without
-    <submit>. LocalBackend._choose on logits that agree with every draft, then prefer "response"; second best:
-    "submit"."""
-    from app.answer_line import AnswerLine
-    from app.local_backend import LocalBackend
-
-    ids = {text: encode(tokenizer, text)[0] for text in ("<", "response", ">", "submit")}
-    drafts = [ids[t] for t in drafted]
-    wanted = drafts + [ids["response"]]
-    logits = torch.zeros(len(wanted), len(tokenizer))
-    for i, token in enumerate(wanted):
-        logits[i, token] = 10.0
-        logits[i, ids["submit"]] = 5.0
-    state = AnswerLine()
-    state.push(line)
-    chosen = LocalBackend(tiny_llama)._choose(logits, drafts, Settings(), None, state)
-    if expected is None:
-        assert chosen == wanted
-    else:
-        assert chosen == [ids[t] for t in expected] + [ids["submit"]]
+    <submit>. The model prefers "response" after the drafts; its second best is "submit"."""
+    chosen, wanted, ids = choose(tiny_llama, tokenizer, line, drafted, best="response", second="submit")
+    assert chosen == (wanted if expected is None else [ids[t] for t in expected] + [ids["submit"]])
 
 
 @pytest.mark.parametrize("text, breaks", [
