@@ -79,6 +79,10 @@ class AnswerGrammar:
         self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         self._banned: dict[str | None, tuple[torch.Tensor, frozenset[int]]] = {}
 
+    def text(self, token: int) -> str:
+        """A token's text, as decoded once here (no tokenizer call, so no lock)."""
+        return self._texts[token]
+
     def banned(self, line: AnswerLine) -> tuple[torch.Tensor, frozenset[int]] | None:
         """(ids as a tensor, the same as a set) of the tokens the line cannot take next; None off the answer line."""
         if not line.on_answer:

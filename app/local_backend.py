@@ -114,10 +114,9 @@ class LocalBackend:
         # A draft may open the answer line mid-step: the first token the line cannot take is replaced by the masked
         # argmax there (where the argmax is allowed, masking does not change it), and the tokens after it dropped.
         ahead = line.copy()
-        with self.lock:  # the tokenizer
-            for i, token in enumerate(tokens):
-                banned = grammar.banned(ahead)
-                if banned is not None and token in banned[1]:
-                    return tokens[:i] + [int(grammar.mask(logits[i], ahead).argmax())]
-                ahead.push(self.tokenizer.decode([token]))
+        for i, token in enumerate(tokens):
+            banned = grammar.banned(ahead)
+            if banned is not None and token in banned[1]:
+                return tokens[:i] + [int(grammar.mask(logits[i], ahead).argmax())]
+            ahead.push(grammar.text(token))
         return tokens

@@ -44,37 +44,44 @@ def supports(model) -> bool:
             and hasattr(model, "model") and hasattr(model, "lm_head"))
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, scale: float) -> torch.Tensor:
-    """A row's causal attention: its n new queries over its past + n keys (grouped heads read in place)."""
-    n = query.shape[2]
-    if n == 1 or past == 0:
-        return F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=scale, enable_gqa=True)
+def causal_mask(n: int, past: int, repeat: int | None) -> torch.Tensor | None:
+    """Which of its past + n keys each of a row's n new queries may see: the same in every layer, so built once
+    per pass. For _attend (repeat None): a boolean mask, or None where SDPA needs none (one query, or no past:
+    plain causal). For _attend_lse: additive, each query's row repeated for the `repeat` heads that share a
+    key/value head; None for one query."""
+    if n == 1:
+        return None
     allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
+    if repeat is None:
+        return allowed if past else None
+    return torch.zeros(n * repeat, past + n).masked_fill_(~allowed.repeat(repeat, 1), float("-inf"))
 
 
-def _attend_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """A row's causal attention: its n new queries over its past + n keys (grouped heads read in place)."""
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True,
+                                          is_causal=mask is None and query.shape[2] > 1)
+
+
+def _attend_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Like _attend, with each query's log-sum-exp of scores. The query heads that share a key/value head are
     laid end to end as one longer sequence of queries, so grouped keys are read in place here too."""
     _, heads, n, dim = query.shape
     groups = keys.shape[1]
     grouped = query.reshape(1, groups, heads // groups * n, dim)
-    mask = None
-    if past < keys.shape[2] - 1:  # some query may not see the keys after its own position
-        allowed = torch.ones(n, keys.shape[2], dtype=torch.bool).tril(diagonal=past).repeat(heads // groups, 1)
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, keys, values, 0.0, False,
                                                                          attn_mask=mask, scale=scale)
     return out.reshape(query.shape), lse.reshape(1, heads, n)
 
 
-def _cascade(query: torch.Tensor, prefix, keys: torch.Tensor, values: torch.Tensor, past: int,
+def _cascade(query: torch.Tensor, prefix, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
              scale: float) -> torch.Tensor:
-    """A row's attention over a shared prefix (every position visible) and its own keys (causal, `past` of
-    them before the new ones), as one softmax over both: each part weighted by its share of the exponent sum."""
-    head, head_lse = _attend_lse(query, prefix.keys, prefix.values, prefix.keys.shape[2], scale)
-    own, own_lse = _attend_lse(query, keys, values, past, scale)
+    """A row's attention over a shared prefix (every position visible) and its own keys (causal: `mask`), as one
+    softmax over both: each part weighted by its share of the exponent sum."""
+    head, head_lse = _attend_lse(query, prefix.keys, prefix.values, None, scale)
+    own, own_lse = _attend_lse(query, keys, values, mask, scale)
     top = torch.maximum(head_lse, own_lse)
     w_head, w_own = torch.exp(head_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
     return (head * w_head + own * w_own) / (w_head + w_own)
@@ -102,6 +109,10 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     ids = torch.tensor([[t for row in rows for t in row.ids]])
     positions = torch.cat([torch.arange(row.start, row.start + len(row.ids)) for row in rows]).unsqueeze(0)
     shared = [row.prefix.get_seq_length() if row.prefix is not None else 0 for row in rows]
+    config = model.config
+    repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    masks = [causal_mask(len(row.ids), row.start - before, None if row.prefix is None else repeat)
+             for row, before in zip(rows, shared)]
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     for index, layer in enumerate(inner.layers):
@@ -111,13 +122,12 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         outs = []
-        for row, (a, b), before in zip(rows, spans, shared):
+        for row, (a, b), mask in zip(rows, spans, masks):
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
             if row.prefix is None:
-                outs.append(_attend(q[:, :, a:b], keys, values, row.start, attn.scaling))
+                outs.append(_attend(q[:, :, a:b], keys, values, mask, attn.scaling))
             else:
-                outs.append(_cascade(q[:, :, a:b], row.prefix.layers[index], keys, values, row.start - before,
-                                     attn.scaling))
+                outs.append(_cascade(q[:, :, a:b], row.prefix.layers[index], keys, values, mask, attn.scaling))
         out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
