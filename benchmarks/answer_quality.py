@@ -31,8 +31,7 @@ from app.model import WEIGHT_FORMATS, load_model, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
 from app.rewards import builtin_questions, exact_match  # noqa: E402
 
-# The page's defaults (components/handlers.py DEFAULTS), without importing Gradio.
-PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
+from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
 
 # (question, key phrases: an answer holding any of them, case-insensitively, says what the entry says)
 LOOKUPS = {

@@ -19,10 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import Engine, Settings, TextDelta  # noqa: E402
+from app.engine import Engine, TextDelta  # noqa: E402
 from app.model import load_model  # noqa: E402
-
-PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
+from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
 WORDS = ["kludge", "cruft", "foobar", "wizard", "daemon", "frob", "hack", "bogus"]
 
 

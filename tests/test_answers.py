@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 
 from app.decoding import StopReason
-from app.engine import Engine, Settings
+from app.engine import Engine
 from app.protocol import RESPONSE, SUBMIT
-
-PAGE = Settings(max_new_tokens=64, max_length=2048, max_turns=4, draft_tokens=8)
+from components.inputs import DEFAULTS as PAGE  # the page's settings
 
 
 @pytest.fixture(scope="module")
