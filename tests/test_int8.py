@@ -70,6 +70,38 @@ def test_int8_tiny_llama_rows_are_bitwise_independent_and_match_its_own_forward(
     assert (solo.argmax(-1) == float_logits.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("which", ["tiny_llama", "real"])
+def test_rows_reading_shared_prefixes_are_bitwise_independent_of_each_other(which, request):
+    """Regression for reading a shared prefix once a step for all its rows (app.ragged._prefix_attention): a
+    row's logits are the same bits alone as beside decoding, drafting, prefilling and prefix-less rows, in any
+    order, with enough queries to take several kernel calls."""
+    loaded = request.getfixturevalue(which)
+    model = (_int8_tiny(loaded) if which == "tiny_llama" else loaded).model
+    assert hasattr(model.model.layers[0].self_attn, "qkv_proj")  # int8: bitwise only where the matmuls are exact
+    ids = torch.randint(5, 1000, (400,), generator=torch.Generator().manual_seed(4)).tolist()
+    prefixes = [new_kv(model.config), new_kv(model.config)]
+    with torch.inference_mode():
+        ragged_forward(model, [Row(prefixes[0], ids[:50], 0, 1), Row(prefixes[1], ids[50:80], 0, 1)])
+
+        def rows() -> list[Row]:  # (prefix, own history, new tokens, logits kept): each call builds fresh caches
+            made = []
+            for which, history, new, keep in [(0, 3, 1, 1), (0, 10, 5, 5), (None, 20, 1, 1), (0, 0, 7, 2),
+                                              (1, 4, 1, 1), (0, 30, 90, 1)]:
+                prefix = None if which is None else prefixes[which]
+                before = 0 if prefix is None else prefix.get_seq_length()
+                kv, own = new_kv(model.config), ids[100 + 10 * len(made):][:history + new]
+                if history:
+                    ragged_forward(model, [Row(kv, own[:history], before, 1, prefix)])
+                made.append(Row(kv, own[history:], before + history, keep, prefix))
+            return made
+
+        alone = [ragged_forward(model, [row])[0] for row in rows()]
+        together = ragged_forward(model, rows())
+        backwards = ragged_forward(model, rows()[::-1])[::-1]
+    for solo, mixed, reversed_ in zip(alone, together, backwards):
+        assert torch.equal(solo, mixed) and torch.equal(solo, reversed_)
+
+
 def test_int8_covers_llama_family_models_only(tiny):
     if tiny.model.config.model_type == "llama":
         pytest.skip("the llama case is above")
