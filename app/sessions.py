@@ -107,6 +107,7 @@ class SessionStore:
         self._lock = threading.Lock()  # guards the dict only; each engine Session has its own lock
         self._turns = threading.Condition()  # chat turns running (see turn_slot)
         self._running = 0
+        self._reserved = 0  # bytes the running turns reserve (see turn_slot)
 
     # ---- access ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> Entry:
@@ -225,23 +226,27 @@ class SessionStore:
 
     @contextmanager
     def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None,
-                  poll_s: float = 0.1) -> Iterator[None]:
+                  poll_s: float = 0.1, reserve: int = 0) -> Iterator[None]:
         """Hold a chat turn's place under the KV budget, as a serving engine admits a request only while its KV
-        fits: a turn starts when the sessions' caches and the shared prompts fit the budget (idle sessions'
-        caches are dropped first), or when no other turn runs (one always may, whatever the budget); otherwise
-        it waits for turns to end. A running turn's cache is never dropped, so this is what holds the budget
-        under load; a running turn still adds its own new tokens. A turn stopped while it waits starts at once
-        (and stops at its first step)."""
+        fits: a turn starts when the sessions' caches, the shared prompts and what the running turns reserve fit
+        the budget (idle sessions' caches are dropped first), or when no other turn runs (one always may,
+        whatever the budget); otherwise it waits for turns to end. A running turn's cache is never dropped, so
+        this is what holds the budget under load. A turn reserves `reserve` bytes for what it is about to add
+        while it runs (turns that arrive together would otherwise all start against the same free room: 20 chats
+        at once peaked at 259 MB under a 64 MB budget). A turn stopped while it waits starts at once (and stops
+        at its first step)."""
         with self._turns:
             while self._running and not (cancel is not None and cancel.is_set()) \
-                    and self._over_budget(shared_bytes()):
+                    and self._over_budget(shared_bytes() + self._reserved + reserve):
                 self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
             self._running += 1
+            self._reserved += reserve
         try:
             yield
         finally:
             with self._turns:
                 self._running -= 1
+                self._reserved -= reserve
                 self._turns.notify_all()
 
     def _over_budget(self, shared_bytes: int) -> bool:

@@ -144,7 +144,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=20)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--budgets", nargs="+", default=["default", "24"],
+    parser.add_argument("--budgets", nargs="+", default=["default", "64"],
                         help="KV_BUDGET_MB per phase ('default': the app's own)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines instead")
     args = parser.parse_args()

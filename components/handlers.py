@@ -17,7 +17,7 @@ from app.backend import Backend, BackendError, load_backend
 from app.compare import compare
 from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
                         Settings, TextDelta, clean_question, default_prompt_template)
-from app.kvcache import kv_nbytes
+from app.kvcache import GROW_TOKENS, kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.rewards import builtin_questions
@@ -151,6 +151,18 @@ class ChatService:
         held.update((id(kv), kv) for kv in self.store.prefixes())
         return sum(kv_nbytes(kv) for kv in held.values())
 
+    def turn_reserve(self, session: Session) -> int:
+        """What a chat turn reserves under the KV budget while it runs (SessionStore.turn_slot): what its
+        session's cache will hold after up to GROW_TOKENS more tokens (a typical turn's question, tool output and
+        answer), less what it holds now (all of it again if its cache was dropped and is to be recomputed);
+        nothing where the keys/values live on a model server."""
+        loaded = getattr(self.backend, "loaded", None)
+        if loaded is None:
+            return 0
+        own = len(session.cache) - (session.prompt_tokens if self.backend.shares_prefix else 0)
+        after = (own // GROW_TOKENS + 2) * GROW_TOKENS * loaded.kv_bytes_per_token  # (GrowingLayer's room)
+        return max(0, after - session.cache.nbytes)
+
     # ---- page events ----------------------------------------------------------------------------------------
     def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature,
                        tools) -> tuple[Engine, Settings]:
@@ -188,7 +200,8 @@ class ChatService:
             clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             partial: str | None = None
-            with self.store.turn_slot(self.shared_kv_bytes, cancel):  # waits while other turns spend the KV budget
+            # waits while other turns spend the KV budget
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.turn_reserve(session)):
                 for event in engine.turn(session, message, settings, cancel=cancel):
                     entry.waiting.pop(sent, None)  # started: the episode shows it from now on
                     if entry.session is not session:  # new chat (or page closed) while this turn ran
@@ -371,7 +384,7 @@ class ChatService:
             session = self.prepare(entry, engine, values, prompt)
             text = ""
             cancel = entry.chat_stop.begin(None)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel):
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.turn_reserve(session)):
                 for event in engine.turn(session, message, values, cancel=cancel):
                     if isinstance(event, TextDelta):
                         text += event.text

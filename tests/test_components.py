@@ -14,7 +14,7 @@ import pytest
 
 from app.decoding import Limit, Stop, StopReason
 from app.engine import Episode, InputError, Segment, Span, default_prompt_template
-from app.kvcache import kv_nbytes
+from app.kvcache import GROW_TOKENS, kv_nbytes
 from app.sessions import MB, SessionStore, StoreStats
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
@@ -204,6 +204,20 @@ def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama)
     assert f"MB of KV of its own, {session.prompt_tokens} read from the shared prompt)" in service.stats(session)
     engine._prompt_caches.clear()  # as when visitors' own prompts push it out
     assert engine.shared_kv_bytes == 0 and service.shared_kv_bytes() == kv_nbytes(prefix)
+
+
+def test_a_turn_reserves_what_its_session_will_hold_after_one_growth_step(tiny_llama):
+    """SessionStore.turn_slot's reservation: room for GROW_TOKENS more tokens beyond what the session holds,
+    and the whole cache again when it was dropped (the turn recomputes it)."""
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    turn(service, "hi", max_new_tokens=2, max_turns=0)
+    session = service.store.peek("page-1").session
+    step = GROW_TOKENS * tiny_llama.kv_bytes_per_token
+    own = len(session.cache) - session.prompt_tokens
+    assert 0 < own < GROW_TOKENS and session.cache.nbytes == step  # its own tokens, in one step of room
+    assert service.turn_reserve(session) == step  # one more step
+    session.cache.drop_kv()
+    assert service.turn_reserve(session) == 2 * step
 
 
 def make_service(tiny_llama, plan=None, eos_ids=None):

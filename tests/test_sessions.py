@@ -107,6 +107,24 @@ def test_a_turn_waits_while_running_turns_spend_the_budget():
     assert events == ["a done", "b started"]
 
 
+def test_running_turns_reserve_room_for_what_they_add():
+    """Regression (load test, 20 chats at once under a 64 MB budget, peak 259 MB): turns arriving together all
+    saw the same free room and all started; each running turn now holds its reservation until it ends."""
+    store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
+    started = threading.Event()
+
+    def second():
+        with store.turn_slot(lambda: 50, reserve=30):
+            started.set()
+
+    with store.turn_slot(lambda: 50, reserve=30):  # fits: 50 shared + 30 reserved
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert not started.wait(0.3)  # the sessions hold nothing, but 50 + 30 + 30 > 100: it waits
+    assert started.wait(5)  # the first turn ended and gave its reservation back
+    thread.join()
+
+
 def test_one_turn_always_runs_and_a_stopped_one_does_not_wait():
     store = SessionStore(budget_bytes=10, idle_timeout_s=3600)
     s = filled(store, {"a": 100})
