@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from app.engine import Session
+from app.kvcache import GROW_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,18 @@ MB = 1024 * 1024
 def budget_from_env(default_mb: float = 512) -> int:
     """KV byte budget from KV_BUDGET_MB."""
     return int(float(os.environ.get("KV_BUDGET_MB", default_mb)) * MB)
+
+
+def kv_reserve(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True,
+               rows: int = 1) -> int:
+    """What a model job reserves under the KV budget while it runs (SessionStore.turn_slot): `rows` runs from
+    `session`'s point, each holding up to GROW_TOKENS more tokens in a cache that grows in GROW_TOKENS steps.
+    With the cache on, that cache is the session's own part (less what it holds now: all of it again if it was
+    dropped, or for a fork that copies it); with it off, every segment recomputes the whole session in a cache
+    of its own, the shared prompt's part included."""
+    shared = session.prompt_tokens if use_cache and shares_prefix else 0
+    after = ((len(session.cache) - shared) // GROW_TOKENS + 2) * GROW_TOKENS * bytes_per_token
+    return rows * max(0, after - (session.cache.nbytes if use_cache else 0))
 
 
 def idle_timeout_from_env(default_s: float = 3600) -> float:
@@ -225,16 +238,16 @@ class SessionStore:
         return [s.cache.prefix for s in sessions if s.cache.prefix is not None]
 
     @contextmanager
-    def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None,
-                  poll_s: float = 0.1, reserve: int = 0) -> Iterator[None]:
-        """Hold a chat turn's place under the KV budget, as a serving engine admits a request only while its KV
-        fits: a turn starts when the sessions' caches, the shared prompts and what the running turns reserve fit
-        the budget (idle sessions' caches are dropped first), or when no other turn runs (one always may,
-        whatever the budget); otherwise it waits for turns to end. A running turn's cache is never dropped, so
-        this is what holds the budget under load. A turn reserves `reserve` bytes for what it is about to add
-        while it runs (turns that arrive together would otherwise all start against the same free room: 20 chats
-        at once peaked at 259 MB under a 64 MB budget). A turn stopped while it waits starts at once (and stops
-        at its first step)."""
+    def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None, *, reserve: int = 0,
+                  poll_s: float = 0.1) -> Iterator[None]:
+        """Hold a model job's place under the KV budget (a chat turn, Compare, a batch, an `/ask`), as a serving
+        engine admits a request only while its KV fits: a job starts when the sessions' caches, the shared prompts
+        and what the running jobs reserve fit the budget (idle sessions' caches are dropped first), or when no
+        other job runs (one always may, whatever the budget); otherwise it waits for jobs to end. A running
+        session's cache is never dropped, so this is what holds the budget under load. A job reserves `reserve`
+        bytes for what it is about to add while it runs (kv_reserve): jobs that arrive together would otherwise
+        all start against the same free room (20 chats at once peaked at 259 MB under a 64 MB budget). A job
+        stopped while it waits starts at once (and stops at its first step)."""
         with self._turns:
             while self._running and not (cancel is not None and cancel.is_set()) \
                     and self._over_budget(shared_bytes() + self._reserved + reserve):

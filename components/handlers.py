@@ -17,12 +17,12 @@ from app.backend import Backend, BackendError, load_backend
 from app.compare import compare
 from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
                         Settings, TextDelta, clean_question, default_prompt_template)
-from app.kvcache import GROW_TOKENS, kv_nbytes
+from app.kvcache import kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.server_backend import ServerBackend
-from app.sessions import MB, Entry, SessionStore
+from app.sessions import MB, Entry, SessionStore, kv_reserve
 from app.tools.registry import default_tools, get_tools
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
@@ -68,7 +68,7 @@ class ChatService:
         self._backend: Backend | None = None
         self._engines: dict[tuple[str, ...], Engine] = {}
         self._lock = threading.Lock()
-        self.store = store or SessionStore()
+        self.store = store if store is not None else SessionStore()  # (an empty store is falsy: it has a len)
 
     # ---- shared model and engines ---------------------------------------------------------------------------
     @property
@@ -151,17 +151,12 @@ class ChatService:
         held.update((id(kv), kv) for kv in self.store.prefixes())
         return sum(kv_nbytes(kv) for kv in held.values())
 
-    def turn_reserve(self, session: Session) -> int:
-        """What a chat turn reserves under the KV budget while it runs (SessionStore.turn_slot): what its
-        session's cache will hold after up to GROW_TOKENS more tokens (a typical turn's question, tool output and
-        answer), less what it holds now (all of it again if its cache was dropped and is to be recomputed);
-        nothing where the keys/values live on a model server."""
+    def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
+        """app.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""
         loaded = getattr(self.backend, "loaded", None)
         if loaded is None:
             return 0
-        own = len(session.cache) - (session.prompt_tokens if self.backend.shares_prefix else 0)
-        after = (own // GROW_TOKENS + 2) * GROW_TOKENS * loaded.kv_bytes_per_token  # (GrowingLayer's room)
-        return max(0, after - session.cache.nbytes)
+        return kv_reserve(session, loaded.kv_bytes_per_token, use_cache, self.backend.shares_prefix, rows)
 
     # ---- page events ----------------------------------------------------------------------------------------
     def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature,
@@ -200,8 +195,8 @@ class ChatService:
             clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt))
             partial: str | None = None
-            # waits while other turns spend the KV budget
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.turn_reserve(session)):
+            reserve = self.kv_reserve(session, settings.use_cache)  # (it waits while running jobs fill the budget)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
                 for event in engine.turn(session, message, settings, cancel=cancel):
                     entry.waiting.pop(sent, None)  # started: the episode shows it from now on
                     if entry.session is not session:  # new chat (or page closed) while this turn ran
@@ -280,7 +275,8 @@ class ChatService:
             session = self.matching_session(entry, engine, prompt)
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
-            result = compare(engine, session, question, settings, cancel=cancel)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
+                result = compare(engine, session, question, settings, cancel=cancel)  # (off needs more than on)
             yield compare_markdown(result), "done (stopped by user)" if result.stopped else "done"
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
@@ -306,10 +302,12 @@ class ChatService:
                 values = dataclasses.replace(settings, use_cache=cached)
                 finished: dict[int, Episode] = {}
                 began = time.perf_counter()
-                for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows run at once
-                    if isinstance(event, EpisodeFinished):
-                        finished[event.row] = event.episode
-                        yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
+                reserve = self.kv_reserve(engine.new_session(prompt), cached, rows=len(questions))
+                with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
+                    for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows at once
+                        if isinstance(event, EpisodeFinished):
+                            finished[event.row] = event.episode
+                            yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
                 episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
                 runs.append(BatchRun(episodes, time.perf_counter() - began, cached))
                 if cached:  # show the rows as soon as the first pass is done
@@ -357,7 +355,8 @@ class ChatService:
         try:
             engine, values, prompt = self._api_settings(settings)
             session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
-            return engine.ask(session, question, values).to_json()
+            with self.store.turn_slot(self.shared_kv_bytes, reserve=self.kv_reserve(session, values.use_cache)):
+                return engine.ask(session, question, values).to_json()
         except Exception as error:  # API boundary: the client gets the message, the log the traceback
             raise api_error(error, "/ask") from None
 
@@ -384,7 +383,8 @@ class ChatService:
             session = self.prepare(entry, engine, values, prompt)
             text = ""
             cancel = entry.chat_stop.begin(None)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.turn_reserve(session)):
+            reserve = self.kv_reserve(session, values.use_cache)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
                 for event in engine.turn(session, message, values, cancel=cancel):
                     if isinstance(event, TextDelta):
                         text += event.text

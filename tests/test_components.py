@@ -7,6 +7,7 @@ for the handlers, so tool loops are deterministic and fast.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 
 import gradio as gr
@@ -206,18 +207,39 @@ def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama)
     assert engine.shared_kv_bytes == 0 and service.shared_kv_bytes() == kv_nbytes(prefix)
 
 
-def test_a_turn_reserves_what_its_session_will_hold_after_one_growth_step(tiny_llama):
-    """SessionStore.turn_slot's reservation: room for GROW_TOKENS more tokens beyond what the session holds,
-    and the whole cache again when it was dropped (the turn recomputes it)."""
+def test_a_model_job_reserves_what_its_caches_will_hold_after_one_growth_step(tiny_llama):
+    """SessionStore.turn_slot's reservation (app.sessions.kv_reserve): room for GROW_TOKENS more tokens beyond
+    what the session holds; the whole cache again when it was dropped; with the cache off, the whole session
+    (the shared prompt too) in a cache of its own; per row."""
     service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     turn(service, "hi", max_new_tokens=2, max_turns=0)
     session = service.store.peek("page-1").session
     step = GROW_TOKENS * tiny_llama.kv_bytes_per_token
-    own = len(session.cache) - session.prompt_tokens
-    assert 0 < own < GROW_TOKENS and session.cache.nbytes == step  # its own tokens, in one step of room
-    assert service.turn_reserve(session) == step  # one more step
+    assert 0 < len(session.cache) - session.prompt_tokens < GROW_TOKENS  # its own tokens ...
+    assert session.cache.nbytes == step  # ... in one step of room
+    assert service.kv_reserve(session) == step  # one more step
+    off = (len(session.cache) // GROW_TOKENS + 2) * step
+    assert service.kv_reserve(session, use_cache=False) == off and service.kv_reserve(session, False, rows=3) == 3 * off
     session.cache.drop_kv()
-    assert service.turn_reserve(session) == 2 * step
+    assert service.kv_reserve(session) == 2 * step
+
+
+@pytest.mark.parametrize("job", ["ask", "compare", "batch"])
+def test_compare_batch_and_ask_wait_while_running_jobs_hold_the_kv_budget(tiny_llama, job):
+    """Regression: Compare, the Batch tab and /ask ran outside the KV budget (a batch's cache-off run holds the
+    whole session once per row). They now take a slot as chat turns do."""
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=MB, idle_timeout_s=3600))
+    page = (True, 4096, 2, 0, 0, ["Calculator", "Search"], default_prompt_template(), request())
+    run = {"ask": lambda: service.api_ask("What is 2 + 2?", {"max_new_tokens": 2, "max_turns": 0}),
+           "compare": lambda: list(service.compare("What is 2 + 2?", *page)),
+           "batch": lambda: list(service.batch("What is 2 + 2? = 4", *page))}[job]
+    done, out = threading.Event(), []
+    thread = threading.Thread(target=lambda: (out.append(run()), done.set()))
+    with service.store.turn_slot(lambda: 0, reserve=2 * MB):  # another job holds more than the budget
+        thread.start()
+        assert not done.wait(1.0), out
+    assert done.wait(120)
+    thread.join()
 
 
 def make_service(tiny_llama, plan=None, eos_ids=None):

@@ -34,8 +34,10 @@ EXTERNAL = os.environ.get("TEXTENV_TEST_SERVER_URL")
 llama_only = pytest.mark.skipif(EXTERNAL is not None, reason="starts, kills or inspects llama.cpp's own server")
 SETTINGS = Settings(max_new_tokens=48, max_length=4096)
 STORIES = "You write very long stories.\n"  # no few-shot answers, which end a turn after a line or two
+# (sums the model does not know by heart: since the prompt has more greetings answered without a tool, the server's
+# Q4_1 model answers "What is 7 + 5?" with "Result = 12" directly)
 QUESTIONS = {"What is 41 * 23?": ("41", "23", "943"), "What is 12 * 9?": ("12", "9", "108"),
-             "What is 7 + 5?": ("7", "5", "12"), "What is 100 - 37?": ("100", "37", "63")}
+             "What is 57 + 85?": ("57", "85", "142"), "What is 100 - 37?": ("100", "37", "63")}
 
 
 @pytest.fixture(scope="session")
