@@ -301,9 +301,9 @@ class ChatService:
                 mode = "on" if cached else "off"
                 values = dataclasses.replace(settings, use_cache=cached)
                 finished: dict[int, Episode] = {}
-                began = time.perf_counter()
                 reserve = self.kv_reserve(engine.new_session(prompt), cached, rows=len(questions))
                 with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
+                    began = time.perf_counter()  # (after any wait for the budget)
                     for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows at once
                         if isinstance(event, EpisodeFinished):
                             finished[event.row] = event.episode
