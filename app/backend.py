@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,6 +56,11 @@ class Backend(Protocol):
 
     def prefill(self, cache: TokenCache) -> None:
         """Compute a shared system prompt's keys/values once, where this process holds them."""
+
+    def turn_scope(self) -> AbstractContextManager[None]:
+        """Brackets one turn, from its question to its answer (tool runs included): in process, the model's next
+        step waits a moment for a turn that is about to ask for a pass, so turns that start together prefill
+        together (app.scheduler.Scheduler.segment)."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:

@@ -138,7 +138,7 @@ class Engine:
         """Answer one question in a session, yielding events; the last one is EpisodeFinished."""
         settings = (settings or Settings()).validated(self.context_limit)
         question = clean_question(question)
-        with session.lock:
+        with session.lock, self.backend.turn_scope():  # (a turn waiting for its session's lock is not in scope)
             yield from self._turn(session, question, settings, cancel, row)
 
     def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:

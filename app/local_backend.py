@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,9 @@ class LocalBackend:
         self.shares_prefix = loaded.scheduler.ragged  # cascade attention reads a shared prefix (app.ragged)
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
+    def turn_scope(self) -> AbstractContextManager[None]:
+        return self.loaded.scheduler.segment()  # between a turn's passes, the next step waits for it a moment
+
     def prefill(self, cache: TokenCache) -> None:
         if cache.cached == 0 and len(cache) > 1:
             self.loaded.scheduler.forward(cache)
@@ -52,44 +56,43 @@ class LocalBackend:
         draft_len = max(1, settings.draft_tokens // 2)
         fail = None
         try:
-            with self.loaded.scheduler.segment():  # between its steps, the next pass waits for it a moment
-                while run.stop is None:
-                    if cancel is not None and cancel.is_set():
-                        run.stop = Stop(StopReason.CANCELLED)
-                        break
-                    base = len(cache)
-                    fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
-                    generated = run.generated_tokens
-                    room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
-                    drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
-                    cache.extend(drafts)
-                    # one step of the scheduler's batched pass, beside every other session's rows
-                    logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
-                    if generated == 0:
-                        run.prefill_tokens, run.cached_tokens = fed, hit
-                    tokens = self._choose(logits, drafts, settings, generator, line)
-                    if drafts:
-                        full = len(tokens) > len(drafts)
-                        draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
-                    cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-                    cache.extend(tokens[-1:])
-                    deltas = []
-                    with self.lock:  # the tokenizer
-                        for i, token in enumerate(tokens):  # each new token is checked in order
-                            run.generated_tokens += 1
-                            deltas.append(detok.push(token))
-                            line.push(deltas[-1])
-                            run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
-                                                   base + i + 1, settings.max_length)
-                            if run.stop is not None:
-                                cache.truncate(base + i + 1)  # nothing after the stop is kept
-                                break
-                    fail = None
-                    if lookup:
-                        lookup.sync()
-                    for delta in deltas:
-                        if delta:
-                            yield delta
+            while run.stop is None:
+                if cancel is not None and cancel.is_set():
+                    run.stop = Stop(StopReason.CANCELLED)
+                    break
+                base = len(cache)
+                fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
+                generated = run.generated_tokens
+                room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
+                drafts = lookup.propose(min(draft_len, room)) if lookup and generated else []
+                cache.extend(drafts)
+                # one step of the scheduler's batched pass, beside every other session's rows
+                logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
+                if generated == 0:
+                    run.prefill_tokens, run.cached_tokens = fed, hit
+                tokens = self._choose(logits, drafts, settings, generator, line)
+                if drafts:
+                    full = len(tokens) > len(drafts)
+                    draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
+                cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+                cache.extend(tokens[-1:])
+                deltas = []
+                with self.lock:  # the tokenizer
+                    for i, token in enumerate(tokens):  # each new token is checked in order
+                        run.generated_tokens += 1
+                        deltas.append(detok.push(token))
+                        line.push(deltas[-1])
+                        run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
+                                               base + i + 1, settings.max_length)
+                        if run.stop is not None:
+                            cache.truncate(base + i + 1)  # nothing after the stop is kept
+                            break
+                fail = None
+                if lookup:
+                    lookup.sync()
+                for delta in deltas:
+                    if delta:
+                        yield delta
         except Exception:
             if fail is not None:  # the model (or sampling) failed mid-step: undo that step, say so, re-raise
                 cache.truncate(base)

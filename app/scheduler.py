@@ -81,13 +81,15 @@ class Scheduler:
         self._active: list[_Request] = []  # taken into steps until their pass is done (a prefill may take several)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._segments = 0  # rows inside a segment (see segment()): their next pass is worth waiting for
+        self._segments = 0  # rows inside a turn (see segment()): their next pass is worth waiting for
         self._releasing = False
 
     @contextmanager
     def segment(self) -> Iterator[None]:
-        """Bracket a row's segment: between two of its passes (choosing a token, checking stops) the next step
-        waits up to GATHER_S for it, so that rows decoding together stay in one pass instead of alternating."""
+        """Bracket a row's turn (LocalBackend.turn_scope): before its first pass and between two of its passes
+        (choosing a token, checking stops, running a tool) the next step waits up to GATHER_S for it, so that rows
+        decoding together stay in one pass instead of alternating, and turns that start together prefill
+        together (8 questions sent at once reached the scheduler over 4-31 ms; the first used to prefill alone)."""
         with self._cond:
             self._segments += 1
         try:

@@ -21,6 +21,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -219,6 +220,9 @@ class ServerBackend:
             raise BackendError(f"model server {server.url} tokenizes differently from this app's tokenizer "
                                f"({theirs[:8]}… vs {ours[:8]}…): set MODEL_ID / GGUF_FILE to the served model")
         return cls(server, dialect, tokenizer, context_limit)
+
+    def turn_scope(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the server schedules its own batches
 
     def prefill(self, cache: TokenCache) -> None:
         """Send a shared system prompt once (nothing generated), so the server's prefix cache holds it before the

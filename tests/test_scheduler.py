@@ -74,6 +74,19 @@ def test_staggered_rows_of_very_different_lengths_match_the_models_own_forward(w
     assert scheduler.stats.peak_rows >= 2  # the rows really shared steps
 
 
+def test_a_turn_counts_for_the_scheduler_from_its_question_to_its_answer(tiny_llama):
+    """Regression (concurrency_bench, 8 questions sent at once): they reached the scheduler over 4-31 ms and the
+    first one prefilled alone. A turn now counts from its start (LocalBackend.turn_scope), so a step waits up to
+    GATHER_S for turns still writing their question, and they prefill in one pass."""
+    engine, scheduler = Engine(tiny_llama), tiny_llama.scheduler
+    turn = engine.turn(engine.new_session(), "What is 2 + 2?", Settings(max_new_tokens=2, max_turns=0))
+    assert scheduler._segments == 0
+    next(turn)  # started: in scope before its first pass
+    assert scheduler._segments == 1
+    assert isinstance(list(turn)[-1], EpisodeFinished)
+    assert scheduler._segments == 0
+
+
 def test_a_failing_row_fails_alone_and_its_cache_is_rolled_back(tiny_llama, tokenizer):
     scheduler = Scheduler(tiny_llama.model)
     good = [tokenizer.encode("one two three"), tokenizer.encode("four five six seven")]
