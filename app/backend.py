@@ -60,7 +60,7 @@ class Backend(Protocol):
     def turn_scope(self) -> AbstractContextManager[None]:
         """Brackets one turn, from its question to its answer (tool runs included): in process, the model's next
         step waits a moment for a turn that is about to ask for a pass, so turns that start together prefill
-        together (app.scheduler.Scheduler.segment)."""
+        together (app.scheduler.Scheduler.turn)."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:

@@ -39,7 +39,7 @@ class LocalBackend:
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
     def turn_scope(self) -> AbstractContextManager[None]:
-        return self.loaded.scheduler.segment()  # between a turn's passes, the next step waits for it a moment
+        return self.loaded.scheduler.turn()  # between a turn's passes, the next step waits for it a moment
 
     def prefill(self, cache: TokenCache) -> None:
         if cache.cached == 0 and len(cache) > 1:

@@ -81,22 +81,22 @@ class Scheduler:
         self._active: list[_Request] = []  # taken into steps until their pass is done (a prefill may take several)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._segments = 0  # rows inside a turn (see segment()): their next pass is worth waiting for
+        self._in_turns = 0  # rows inside a turn (see turn()): their next pass is worth waiting for
         self._releasing = False
 
     @contextmanager
-    def segment(self) -> Iterator[None]:
+    def turn(self) -> Iterator[None]:
         """Bracket a row's turn (LocalBackend.turn_scope): before its first pass and between two of its passes
         (choosing a token, checking stops, running a tool) the next step waits up to GATHER_S for it, so that rows
         decoding together stay in one pass instead of alternating, and turns that start together prefill
         together (8 questions sent at once reached the scheduler over 4-31 ms; the first used to prefill alone)."""
         with self._cond:
-            self._segments += 1
+            self._in_turns += 1
         try:
             yield
         finally:
             with self._cond:
-                self._segments -= 1
+                self._in_turns -= 1
                 self._cond.notify()
 
     def forward(self, cache: TokenCache, keep: int = 1) -> tuple[torch.Tensor, int, int]:
@@ -139,7 +139,7 @@ class Scheduler:
                         return
                     self._cond.wait()
                 deadline = time.monotonic() + GATHER_S
-                while len(self._waiting) + len(self._active) < self._segments and time.monotonic() < deadline:
+                while len(self._waiting) + len(self._active) < self._in_turns and time.monotonic() < deadline:
                     self._cond.wait(max(0.0, deadline - time.monotonic()))
                 room = self.max_rows - len(self._active)
                 self._active += self._waiting[:room]

@@ -80,11 +80,11 @@ def test_a_turn_counts_for_the_scheduler_from_its_question_to_its_answer(tiny_ll
     GATHER_S for turns still writing their question, and they prefill in one pass."""
     engine, scheduler = Engine(tiny_llama), tiny_llama.scheduler
     turn = engine.turn(engine.new_session(), "What is 2 + 2?", Settings(max_new_tokens=2, max_turns=0))
-    assert scheduler._segments == 0
+    assert scheduler._in_turns == 0
     next(turn)  # started: in scope before its first pass
-    assert scheduler._segments == 1
+    assert scheduler._in_turns == 1
     assert isinstance(list(turn)[-1], EpisodeFinished)
-    assert scheduler._segments == 0
+    assert scheduler._in_turns == 0
 
 
 def test_a_failing_row_fails_alone_and_its_cache_is_rolled_back(tiny_llama, tokenizer):
