@@ -6,11 +6,18 @@ decode size 49-67 us in the only pooled thread against 141-194 us in a second on
 29-31 ms on the main thread against 50-52 ms on the scheduler's thread after the main thread had loaded the
 model). So every thread starts with one intra-op thread (OMP_NUM_THREADS=1, set before torch starts OpenMP) and
 the scheduler's thread alone takes MODEL_THREADS (default: the cores this process may use).
+
+`torch.set_num_threads` also sets the default of every thread that starts *later*, so after the scheduler had
+taken its threads each new batch row or request thread got a pool of two on its first parallel kernel (an
+argmax over the vocabulary is one). libgomp, managing more threads than cores, then stops its workers spinning
+between kernels: ~1,300 sleeps and wake-ups a step, and an 8-row step took 100-130 ms instead of 58-65. So the
+scheduler's thread hands the default back (`use_model_threads`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 
 def one_thread_by_default() -> None:
@@ -28,8 +35,20 @@ def model_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def default_threads() -> int:
+    """Intra-op threads of every thread but the scheduler's (OMP_NUM_THREADS, which one_thread_by_default sets)."""
+    value = os.environ.get("OMP_NUM_THREADS", "1").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def use_model_threads() -> None:
-    """Give the calling thread (the one that runs the model's passes) its MODEL_THREADS intra-op threads."""
+    """Give the calling thread (the one that runs the model's passes) its MODEL_THREADS intra-op threads, and
+    leave every other thread's default as it was."""
     import torch
 
     torch.set_num_threads(model_threads())
+    torch.get_num_threads()  # PyTorch settles a thread's count lazily, from the default: settle this one's now
+    # torch.set_num_threads sets that default too; another thread sets it back (its own count is the default)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default_threads(),), name="threads-default")
+    restore.start()
+    restore.join()
