@@ -99,6 +99,10 @@ class Scheduler:
                 self._in_turns -= 1
                 self._cond.notify()
 
+    def rows_in_turns(self) -> int:
+        """How many rows are inside a turn now (each will ask for a pass at almost every step)."""
+        return self._in_turns
+
     def forward(self, cache: TokenCache, keep: int = 1) -> tuple[torch.Tensor, int, int]:
         """Feed `cache`'s uncached ids in the next steps; return (logits of the last `keep` positions, tokens
         fed, tokens reused), like TokenCache.forward. The caller owns `cache` and must not touch it meanwhile."""

@@ -64,3 +64,21 @@ def test_drafts_need_fewer_forward_passes(engine, monkeypatch):
         engine.ask(engine.new_session(), QUESTIONS[0], Settings(max_new_tokens=40, draft_tokens=drafts))
         passes.append(stats.steps - before)
     assert passes[1] < passes[0]
+
+
+def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
+    """Eight rows at once share one step's drafts (app.local_backend.DRAFTS_PER_STEP): each drafts at most 2."""
+    from app.local_backend import DRAFTS_PER_STEP
+
+    scheduler = engine.loaded.scheduler
+    plain = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40))
+    keeps, forward = [], scheduler.forward
+    monkeypatch.setattr(scheduler, "forward", lambda cache, keep=1: (keeps.append(keep), forward(cache, keep))[1])
+    monkeypatch.setattr(scheduler, "rows_in_turns", lambda: 8)
+    busy = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40, draft_tokens=8))
+    assert busy.token_ids == plain.token_ids
+    assert max(keeps) == DRAFTS_PER_STEP // 8 + 1  # (a draft and the model's own next token)
+    keeps.clear()
+    monkeypatch.setattr(scheduler, "rows_in_turns", lambda: 1)
+    engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40, draft_tokens=8))
+    assert max(keeps) > DRAFTS_PER_STEP // 8 + 1
