@@ -23,6 +23,7 @@ from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.server_backend import ServerBackend
 from app.sessions import MB, Entry, SessionStore, kv_reserve
+from app.streaming import in_batches
 from app.tools.registry import default_tools, get_tools
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
@@ -197,19 +198,20 @@ class ChatService:
             partial: str | None = None
             reserve = self.kv_reserve(session, settings.use_cache)  # (it waits while running jobs fill the budget)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
-                for event in engine.turn(session, message, settings, cancel=cancel):
+                # (the turn runs at the model's pace; each update shows everything that arrived since the last)
+                for events in in_batches(engine.turn(session, message, settings, cancel=cancel), cancel):
                     entry.waiting.pop(sent, None)  # started: the episode shows it from now on
                     if entry.session is not session:  # new chat (or page closed) while this turn ran
                         break
-                    if isinstance(event, SegmentStarted):
-                        partial = "" if event.kind == "model" else None
-                        yield view("running", partial=partial)
-                    elif isinstance(event, TextDelta):
-                        partial = (partial or "") + event.text
-                        yield view("running", partial=partial)
-                    elif isinstance(event, SegmentFinished):
-                        partial = None
-                        yield view("running", full=True)
+                    full = False
+                    for event in events:
+                        if isinstance(event, SegmentStarted):
+                            partial = "" if event.kind == "model" else None
+                        elif isinstance(event, TextDelta):
+                            partial = (partial or "") + event.text
+                        elif isinstance(event, SegmentFinished):
+                            partial, full = None, True
+                    yield view("running", partial=partial, full=full)
             self.store.enforce_budget(self.shared_kv_bytes())
             yield view("done" if entry.session is session else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
@@ -385,12 +387,14 @@ class ChatService:
             cancel = entry.chat_stop.begin(None)
             reserve = self.kv_reserve(session, values.use_cache)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
-                for event in engine.turn(session, message, values, cancel=cancel):
-                    if isinstance(event, TextDelta):
-                        text += event.text
-                        yield text
-                    elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
-                        text += event.segment.text
+                for events in in_batches(engine.turn(session, message, values, cancel=cancel), cancel):
+                    before = len(text)
+                    for event in events:
+                        if isinstance(event, TextDelta):
+                            text += event.text
+                        elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
+                            text += event.segment.text
+                    if len(text) > before:
                         yield text
             self.store.enforce_budget(self.shared_kv_bytes())
         except Exception as error:  # API boundary: the client gets the message, the log the traceback

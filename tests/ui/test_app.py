@@ -209,6 +209,9 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     expect(box).to_have_value("")
     box.fill("a draft I have not sent")
     expect(user_messages(page)).to_have_count(3, timeout=3 * TURN_MS)
+    # ("done" alone is not the end: a turn's final status may land after the next turn has started)
+    expect(page.locator("#chat")).not_to_contain_text("waiting for the model", timeout=3 * TURN_MS)
+    expect(bot_messages(page).filter(has_not=page.locator(".thought-group"))).to_have_count(3, timeout=3 * TURN_MS)
     expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
     expect(user_messages(page)).to_have_text(
         ["Write a long story about a robot who learns to paint.", "What is 3 + 4?", "Say hi"])
