@@ -49,6 +49,7 @@ def in_batches(events: Iterator[T], cancel: threading.Event) -> Iterator[list[T]
                     ended = True
                     break
                 if isinstance(item, _Failed):
+                    ended = True  # (the turn is over: nothing to cancel)
                     if batch:
                         yield batch
                     raise item.error

@@ -44,11 +44,12 @@ def test_an_error_is_raised_after_the_events_before_it():
         yield 2
         raise ValueError("the model failed")
 
-    got = []
+    got, cancel = [], threading.Event()
     with pytest.raises(ValueError, match="the model failed"):
-        for batch in in_batches(failing(), threading.Event()):
+        for batch in in_batches(failing(), cancel):
             got += batch
     assert got == [1, 2]
+    assert not cancel.is_set()  # (a failed turn is over, not stopped: the session's Stop flag stays as it was)
 
 
 def test_leaving_early_cancels_the_turn_and_waits_for_it_to_end():
