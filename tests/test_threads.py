@@ -14,39 +14,37 @@ from app.threads import model_threads
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_importing_the_backend_makes_one_intra_op_thread_the_default_and_the_scheduler_takes_more():
-    probe = ("import os; os.environ['MODEL_THREADS'] = '2'; os.environ.pop('OMP_NUM_THREADS', None);"
-             "import app, torch, transformers as t; import app.ragged as ragged;"
-             "from app.scheduler import Scheduler; from app.kvcache import TokenCache;"
-             "m = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,"
-             " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval();"
-             "seen = []; run = ragged.ragged_forward;"
-             "ragged.ragged_forward = lambda model, rows: (seen.append(torch.get_num_threads()), run(model, rows))[1];"
-             "Scheduler(m).forward(TokenCache([1, 2, 3]));"
-             "print(torch.get_num_threads(), seen[0])")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+# A fresh process (OpenMP reads its settings once): a tiny model, a scheduler, and `seen`, the intra-op threads each
+# of the scheduler's passes ran with.
+PROBE = ("import os; os.environ['MODEL_THREADS'] = '2'; os.environ.pop('OMP_NUM_THREADS', None);"
+         "import threading, app, torch, transformers as t; import app.ragged as ragged;"
+         "from app.scheduler import Scheduler; from app.kvcache import TokenCache;"
+         "m = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,"
+         " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval();"
+         "seen = []; run = ragged.ragged_forward;"
+         "ragged.ragged_forward = lambda model, rows: (seen.append(torch.get_num_threads()), run(model, rows))[1];"
+         "s = Scheduler(m);")
+
+
+def probe(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", PROBE + code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1", "2"]  # this (main) thread: one; the scheduler's: MODEL_THREADS
+    return out.stdout.split()
+
+
+def test_importing_the_backend_makes_one_intra_op_thread_the_default_and_the_scheduler_takes_more():
+    printed = probe("s.forward(TokenCache([1, 2, 3])); print(torch.get_num_threads(), seen[0])")
+    assert printed == ["1", "2"]  # this (main) thread: one; the scheduler's: MODEL_THREADS
 
 
 def test_threads_started_after_the_scheduler_took_its_threads_still_get_one():
     """Regression: torch.set_num_threads on the scheduler's thread also set the default of threads started later,
     so every batch row got an OpenMP pool of two on its first argmax; libgomp, then managing more threads than
     cores, put its workers to sleep between kernels and an 8-row step ran ~1.7x slower."""
-    probe = ("import os; os.environ['MODEL_THREADS'] = '2'; os.environ.pop('OMP_NUM_THREADS', None);"
-             "import threading, app, torch, transformers as t; import app.ragged as ragged;"
-             "from app.scheduler import Scheduler; from app.kvcache import TokenCache;"
-             "m = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,"
-             " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval();"
-             "seen = []; run = ragged.ragged_forward;"
-             "ragged.ragged_forward = lambda model, rows: (seen.append(torch.get_num_threads()), run(model, rows))[1];"
-             "s = Scheduler(m); s.forward(TokenCache([1, 2, 3]));"
-             "row = []; th = threading.Thread(target=lambda: row.append(torch.get_num_threads())); th.start(); th.join();"
-             "s.forward(TokenCache([4, 5, 6]));"
-             "print(row[0], seen[-1])")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1", "2"]  # a later thread: the default; the scheduler's: still MODEL_THREADS
+    printed = probe("s.forward(TokenCache([1, 2, 3]));"
+                    "row = []; th = threading.Thread(target=lambda: row.append(torch.get_num_threads()));"
+                    "th.start(); th.join(); s.forward(TokenCache([4, 5, 6])); print(row[0], seen[-1])")
+    assert printed == ["1", "2"]  # a later thread: the default; the scheduler's: still MODEL_THREADS
 
 
 @pytest.mark.parametrize("value, expected", [("3", 3), ("1", 1), (" 2 ", 2)])
