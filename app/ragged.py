@@ -101,17 +101,23 @@ def _attend_blocks(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out[:, :, :m], lse[:, :, :m]
 
 
-def _prefix_attention(query: torch.Tensor, rows: list[Row], spans: list[tuple[int, int]], index: int,
-                      scale: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Every row's attention over its shared prefix in layer `index` (row number -> output, log-sum-exp): one
-    call per prefix for all the rows that read it, so a prefix's keys are read once a step, not once a row."""
-    _, heads, _, dim = query.shape
+def _prefix_readers(rows: list[Row]) -> list[list[int]]:
+    """The rows that read each shared prefix (row numbers, one list per prefix): the same in every layer."""
     readers: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         if row.prefix is not None:
             readers.setdefault(id(row.prefix), []).append(i)
+    return list(readers.values())
+
+
+def _prefix_attention(query: torch.Tensor, rows: list[Row], spans: list[tuple[int, int]], readers: list[list[int]],
+                      index: int, scale: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Every row's attention over its shared prefix in layer `index` (row number -> output, log-sum-exp): one
+    call per prefix for all the rows that read it (`readers`), so a prefix's keys are read once a step, not once
+    a row."""
+    _, heads, _, dim = query.shape
     parts = {}
-    for members in readers.values():
+    for members in readers:
         layer = rows[members[0]].prefix.layers[index]
         groups = layer.keys.shape[1]
         every = len(members) == len(rows)
@@ -160,6 +166,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     masks = [causal_mask(len(row.ids), row.start - before, None if row.prefix is None else repeat)
              for row, before in zip(rows, shared)]
+    readers = _prefix_readers(rows)
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     for index, layer in enumerate(inner.layers):
@@ -168,7 +175,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         shape = (1, at, -1, attn.head_dim)
         q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        heads = _prefix_attention(q, rows, spans, index, attn.scaling)
+        heads = _prefix_attention(q, rows, spans, readers, index, attn.scaling)
         outs = []
         for i, (row, (a, b), mask) in enumerate(zip(rows, spans, masks)):
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)

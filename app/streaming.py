@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
-_END = object()
 
 
-class _Failed:
-    def __init__(self, error: BaseException):
+class _Done:
+    """The producer's last item: the turn ended, with `error` if it raised."""
+
+    def __init__(self, error: BaseException | None = None):
         self.error = error
 
 
@@ -30,37 +31,29 @@ def in_batches(events: Iterator[T], cancel: threading.Event) -> Iterator[list[T]
     handed: queue.SimpleQueue = queue.SimpleQueue()
 
     def produce() -> None:
+        error = None
         try:
             for event in events:
                 handed.put(event)
-        except BaseException as error:  # the thread's boundary: the consumer raises it
-            handed.put(_Failed(error))
-        finally:
-            handed.put(_END)
+        except BaseException as exc:  # the thread's boundary: the consumer raises it
+            error = exc
+        handed.put(_Done(error))
 
     thread = threading.Thread(target=produce, name="turn-events", daemon=True)
     thread.start()
-    ended = False
+    done: _Done | None = None
     try:
-        while not ended:
-            batch, item = [], handed.get()
-            while True:
-                if item is _END:
-                    ended = True
-                    break
-                if isinstance(item, _Failed):
-                    ended = True  # (the turn is over: nothing to cancel)
-                    if batch:
-                        yield batch
-                    raise item.error
-                batch.append(item)
-                try:
-                    item = handed.get_nowait()
-                except queue.Empty:
-                    break
-            if batch:
-                yield batch
+        while done is None:
+            items = [handed.get()]
+            while not handed.empty():
+                items.append(handed.get_nowait())
+            if isinstance(items[-1], _Done):  # (always the last item: nothing follows it)
+                done = items.pop()
+            if items:
+                yield items
+        if done.error is not None:
+            raise done.error
     finally:
-        if not ended:
+        if done is None:  # left early: stop the turn (a turn that ended or failed is over already)
             cancel.set()
         thread.join()
