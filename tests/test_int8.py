@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from app.int8 import FINE, Int8Linear, split_rows, to_int8
+from app.int8 import FINE, Int8Linear, int8_matmul_is_fast, split_rows, to_int8
 from app.kvcache import new_kv
 from app.model import LoadedModel, load_model, weight_format, wrap
 from app.ragged import Row, ragged_forward
@@ -70,13 +70,24 @@ def test_int8_tiny_llama_rows_are_bitwise_independent_and_match_its_own_forward(
     assert (solo.argmax(-1) == float_logits.argmax(-1)).float().mean() > 0.9
 
 
+def real_int8(request) -> LoadedModel:
+    """The real model in int8: the session's own where it runs in int8; else one loaded for the test where this
+    CPU multiplies int8 fast; else a skip (without VNNI the real model's int8 passes take minutes; the tiny
+    int8 model's tests still run, and CI's CPU runs these)."""
+    real = request.getfixturevalue("real")
+    if real.weights == "int8":
+        return real
+    if not int8_matmul_is_fast():
+        pytest.skip("int8 matmuls are slow on this CPU (WEIGHTS=auto chose float32)")
+    return load_model(weights="int8")
+
+
 @pytest.mark.parametrize("which", ["tiny_llama", "real"])
 def test_rows_reading_shared_prefixes_are_bitwise_independent_of_each_other(which, request):
     """Regression for reading a shared prefix once a step for all its rows (app.ragged._prefix_attention): a
     row's logits are the same bits alone as beside decoding, drafting, prefilling and prefix-less rows, in any
     order, with enough queries to take several kernel calls."""
-    loaded = request.getfixturevalue(which)
-    model = (_int8_tiny(loaded) if which == "tiny_llama" else loaded).model
+    model = (_int8_tiny(request.getfixturevalue(which)) if which == "tiny_llama" else real_int8(request)).model
     assert hasattr(model.model.layers[0].self_attn, "qkv_proj")  # int8: bitwise only where the matmuls are exact
     ids = torch.randint(5, 1000, (400,), generator=torch.Generator().manual_seed(4)).tolist()
     prefixes = [new_kv(model.config), new_kv(model.config)]
@@ -102,6 +113,15 @@ def test_rows_reading_shared_prefixes_are_bitwise_independent_of_each_other(whic
         assert torch.equal(solo, mixed) and torch.equal(solo, reversed_)
 
 
+def test_the_int8_probe_times_both_matmuls_once():
+    """Regression: int8 was the default everywhere, and on an AVX2-only CPU (no VNNI) `torch._int_mm` fell back
+    to a loop ~30x slower than float32, so a 10-token greeting took minutes. The probe's answer is cached."""
+    int8_matmul_is_fast.cache_clear()
+    first = int8_matmul_is_fast()
+    assert isinstance(first, bool) and int8_matmul_is_fast() is first
+    assert int8_matmul_is_fast.cache_info().hits == 1
+
+
 def test_int8_covers_llama_family_models_only(tiny):
     if tiny.model.config.model_type == "llama":
         pytest.skip("the llama case is above")
@@ -109,9 +129,12 @@ def test_int8_covers_llama_family_models_only(tiny):
         to_int8(tiny.model)
 
 
-@pytest.mark.parametrize("value,expected", [("", "int8"), ("int8", "int8"), ("FLOAT32", "float32"),
-                                            (" float32 ", "float32"), ("bf16", None)])
-def test_weights_setting(monkeypatch, value, expected):
+@pytest.mark.parametrize("value,fast,expected", [
+    ("", True, "int8"), ("", False, "float32"), ("auto", False, "float32"), (" AUTO ", True, "int8"),
+    ("int8", False, "int8"), ("FLOAT32", True, "float32"), (" float32 ", True, "float32"), ("bf16", True, None)])
+def test_weights_setting(monkeypatch, value, fast, expected):
+    """Unset (auto) follows the CPU; a format asked for by name is used as is (int8 on a slow CPU too)."""
+    monkeypatch.setattr("app.model.int8_matmul_is_fast", lambda: fast)
     monkeypatch.setenv("WEIGHTS", value)
     if expected is None:
         with pytest.raises(ValueError, match="WEIGHTS='bf16'"):
@@ -120,13 +143,13 @@ def test_weights_setting(monkeypatch, value, expected):
         assert weight_format() == expected
 
 
-def test_int8_real_model_agrees_with_float32_on_the_system_prompt(real):
+def test_int8_real_model_agrees_with_float32_on_the_system_prompt(real, request):
     """A guard on the conversion's accuracy: next-token agreement with float32 over the rendered system prompt
     (~97.8 % measured; one part per token instead of two gave ~93 %)."""
     from app.prompt import default_prompt_template, render_prompt
     from app.tools.registry import default_tools
 
-    int8 = real if real.weights == "int8" else load_model(weights="int8")
+    int8 = real_int8(request)
     reference = real if real.weights == "float32" else load_model(weights="float32")
     assert (int8.weights, reference.weights) == ("int8", "float32")
     ids = real.tokenizer(render_prompt(default_prompt_template(), default_tools()), return_tensors="pt").input_ids
