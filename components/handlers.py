@@ -36,6 +36,14 @@ from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
 
+def done_status(waiting: int) -> str:
+    """A turn's final status. Regression: a plain "done" landed while the visitor's next message still waited to
+    start, so the page said done with a message of theirs unanswered."""
+    if not waiting:
+        return "done"
+    return f"done · {waiting} more message{'s' if waiting > 1 else ''} waiting"
+
+
 def failure_status(error: Exception, what: str, key: str) -> str:
     """The status line for a handler that failed: a user mistake or a model server's failure as is, anything else
     logged with its traceback."""
@@ -213,7 +221,7 @@ class ChatService:
                             partial, full = None, True
                     yield view("running", partial=partial, full=full)
             self.store.enforce_budget(self.shared_kv_bytes())
-            yield view("done" if entry.session is session else "new chat", full=True)
+            yield view(done_status(len(entry.waiting)) if entry.session is session else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             entry.waiting.pop(sent, None)
             yield view(failure_status(error, "turn", key), textbox=message, full=True)

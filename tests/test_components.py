@@ -482,7 +482,9 @@ def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     assert shown[-2:] == waiting_messages("second")
     chat = next(first)[0]  # the running turn's next update
     assert chat[-2:] == waiting_messages("second") and chat[0]["content"] == "first"
-    outputs = list(first) + list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
-                                                   default_prompt_template(), request()))
+    outputs = list(first)
+    assert outputs[-1][2] == "done · 1 more message waiting"  # (it said "done" with "second" unanswered)
+    outputs += list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
+                                      default_prompt_template(), request()))
     chat, _, status, *_ = outputs[-1]
     assert status == "done" and WAITING not in str(chat) and chat[-2]["content"] == "second"
