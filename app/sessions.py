@@ -86,6 +86,7 @@ class Entry:
     batch_stop: StopSignal = field(default_factory=StopSignal)  # the Batch tab's Stop
     notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
     waiting: dict[int, str] = field(default_factory=dict)  # sent messages whose turn has not started, by number
+    unanswered: set[int] = field(default_factory=set)  # sent messages whose turn has not ended (waiting or running)
     sent: Iterator[int] = field(default_factory=itertools.count)  # numbers them
     last_used: float = field(default_factory=time.monotonic)
 

@@ -36,12 +36,13 @@ from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
 
-def done_status(waiting: int) -> str:
-    """A turn's final status. Regression: a plain "done" landed while the visitor's next message still waited to
-    start, so the page said done with a message of theirs unanswered."""
-    if not waiting:
+def done_status(unanswered: int) -> str:
+    """A turn's final status. Regression: a plain "done" landed after the visitor's next message had been sent
+    (waiting, or already started: the final update can arrive after the next turn's first), so the page said
+    done while a message of theirs was still being answered."""
+    if not unanswered:
         return "done"
-    return f"done · {waiting} more message{'s' if waiting > 1 else ''} waiting"
+    return f"done · {unanswered} more message{'s' if unanswered > 1 else ''} to answer"
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:
@@ -195,6 +196,7 @@ class ChatService:
 
         if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent
             entry.waiting.pop(sent, None)
+            entry.unanswered.discard(sent)
             yield view("stopped: the message was not sent", textbox=message)
             return
         yield view("running")
@@ -221,10 +223,13 @@ class ChatService:
                             partial, full = None, True
                     yield view("running", partial=partial, full=full)
             self.store.enforce_budget(self.shared_kv_bytes())
-            yield view(done_status(len(entry.waiting)) if entry.session is session else "new chat", full=True)
+            others = len(entry.unanswered - {sent})
+            yield view(done_status(others) if entry.session is session else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             entry.waiting.pop(sent, None)
             yield view(failure_status(error, "turn", key), textbox=message, full=True)
+        finally:
+            entry.unanswered.discard(sent)
 
     def timing(self, request: gr.Request) -> tuple:
         """The timing view of this visitor's chat: charts of prefill tokens (new vs reused) and ms per segment,
@@ -244,6 +249,7 @@ class ChatService:
         if not message.strip():
             return "", submitted, gr.skip()
         entry.waiting[submitted["sent"]] = message
+        entry.unanswered.add(submitted["sent"])
         return "", submitted, [*(chat or []), *waiting_messages(message)]
 
     def ticket(self, request: gr.Request) -> int:

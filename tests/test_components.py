@@ -471,6 +471,21 @@ def test_api_user_mistakes_leave_no_traceback_in_the_log(tiny_llama, caplog):
     assert not [r for r in caplog.records if r.exc_info]
 
 
+def test_a_turn_that_ends_while_the_next_one_already_runs_does_not_say_done(tiny_llama):
+    """Regression (seen in Chromium, two visitors): the next message's turn had started, so it was no longer
+    waiting, and the previous turn's final update, landing after it, set the status to a plain "done" while the
+    next answer was still being written."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    first = service.chat_page(service.submit("first", [], request())[1], True, 4096, 5, 4, 0,
+                              ["Calculator", "Search"], default_prompt_template(), request())
+    next(first)
+    _, second, _ = service.submit("second", [], request())
+    service.store.get(request().session_hash).waiting.pop(second["sent"])  # as when its turn has started
+    assert list(first)[-1][2] == "done · 1 more message to answer"
+    assert list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
+                                  default_prompt_template(), request()))[-1][2] == "done"
+
+
 def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     """Regression: a message sent while another turn ran vanished from the box and did not appear in the chat
     until its own turn started; the running turn's updates now show it too, as waiting."""
@@ -483,7 +498,7 @@ def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     chat = next(first)[0]  # the running turn's next update
     assert chat[-2:] == waiting_messages("second") and chat[0]["content"] == "first"
     outputs = list(first)
-    assert outputs[-1][2] == "done · 1 more message waiting"  # (it said "done" with "second" unanswered)
+    assert outputs[-1][2] == "done · 1 more message to answer"  # (it said "done" with "second" unanswered)
     outputs += list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
                                       default_prompt_template(), request()))
     chat, _, status, *_ = outputs[-1]
