@@ -36,6 +36,7 @@ from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
 
+
 def done_status(unanswered: int) -> str:
     """A turn's final status. Regression: a plain "done" landed after the visitor's next message had been sent
     (waiting, or already started: the final update can arrive after the next turn's first), so the page said
