@@ -57,38 +57,67 @@ def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([high, low]).to(torch.int8), scale
 
 
+EXACT_SPAN = 1024  # float32 holds every integer below 2**24, and 1024 products of int8s stay below it (127**2 * 1024)
+
+
+def exact_int_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`torch._int_mm(parts, weight.T).float()` for int8 values held in float32, bit for bit, on a CPU whose int8
+    matmul is slow (no VNNI: ~30x slower than float32 there, see int8_matmul_is_fast).
+
+    Why it is exact: every product is an integer below 2**14, and every partial sum over at most EXACT_SPAN
+    of them stays below 2**24, where float32 adds integers exactly in any order, so a kernel's blocking cannot
+    change the result. A longer row is summed as two spans, each exact; adding the two rounds once, to the float
+    nearest the exact total, which is what converting int_mm's int32 total to float does."""
+    inner = parts.shape[1]
+    if inner <= EXACT_SPAN:
+        return parts @ weight.t()
+    half = inner // 2
+    return (parts[:, :half] @ weight[:, :half].t()).add_(parts[:, half:] @ weight[:, half:].t())
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x in two int8 parts per token."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 exact_float: bool | torch.Tensor = False):
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        if exact_float is True:  # the weights' values again in float32, for exact_int_mm
+            exact_float = weight.float()
+            assert self.in_features <= 2 * EXACT_SPAN, "exact_int_mm covers at most two spans"
+        self.register_buffer("weight32", exact_float if isinstance(exact_float, torch.Tensor) else None,
+                             persistent=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   exact_float: bool = False) -> Int8Linear:
         values, scale = quantize_rows(weight.detach().float())
-        return cls(values, scale.squeeze(1), None if bias is None else bias.detach().float().clone())
+        return cls(values, scale.squeeze(1), None if bias is None else bias.detach().float().clone(), exact_float)
 
     @classmethod
-    def fused(cls, *linears: nn.Module) -> Int8Linear:
+    def fused(cls, *linears: nn.Module, exact_float: bool = False) -> Int8Linear:
         """Layers that read the same input as one: their outputs side by side, in order."""
         biases = [linear.bias for linear in linears]
         bias = None if any(b is None for b in biases) else torch.cat(biases)
-        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias)
+        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact_float)
 
     def rows(self, start: int, stop: int) -> Int8Linear:
         """Output channels start..stop as their own layer, sharing this one's memory."""
         bias = None if self.bias is None else self.bias[start:stop]
-        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias)
+        weight32 = False if self.weight32 is None else self.weight32[start:stop]
+        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, weight32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         parts, scale = split_rows(flat)
-        both = torch._int_mm(parts, self.weight.t()).float()  # exact: int8 products summed in int32
+        if self.weight32 is None:
+            both = torch._int_mm(parts, self.weight.t()).float()  # exact: int8 products summed in int32
+        else:
+            both = exact_int_mm(parts.float(), self.weight32)  # the same bits, on float32 hardware
         out = both[:len(flat)].add_(both[len(flat):], alpha=1 / FINE).mul_(scale).mul_(self.scale)
         if self.bias is not None:
             out.add_(self.bias)
@@ -101,10 +130,10 @@ class Int8Linear(nn.Module):
 class Int8MLP(nn.Module):
     """A gated MLP with gate and up projections in one matmul (one activation quantization, one kernel)."""
 
-    def __init__(self, mlp: nn.Module):
+    def __init__(self, mlp: nn.Module, exact_float: bool = False):
         super().__init__()
-        self.gate_up = Int8Linear.fused(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = Int8Linear.from_float(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.gate_up = Int8Linear.fused(mlp.gate_proj, mlp.up_proj, exact_float=exact_float)
+        self.down_proj = Int8Linear.from_float(mlp.down_proj.weight, mlp.down_proj.bias, exact_float)
         self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,16 +141,16 @@ class Int8MLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def _fuse_attention(attn: nn.Module) -> None:
+def _fuse_attention(attn: nn.Module, exact_float: bool) -> None:
     """q/k/v as one int8 matmul (`attn.qkv_proj`, what the ragged pass calls) and as three views of it (what
     transformers' own forward calls): both compute the same numbers."""
     parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    attn.qkv_proj = Int8Linear.fused(*parts)
+    attn.qkv_proj = Int8Linear.fused(*parts, exact_float=exact_float)
     at = 0
     for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
         setattr(attn, name, attn.qkv_proj.rows(at, at + part.out_features))
         at += part.out_features
-    attn.o_proj = Int8Linear.from_float(attn.o_proj.weight, attn.o_proj.bias)
+    attn.o_proj = Int8Linear.from_float(attn.o_proj.weight, attn.o_proj.bias, exact_float)
 
 
 @functools.cache
@@ -153,12 +182,17 @@ def int8_matmul_is_fast() -> bool:
 
 
 @torch.no_grad()
-def to_int8(model: nn.Module) -> None:
-    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place."""
+def to_int8(model: nn.Module, exact_float: bool | None = None) -> None:
+    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact_float`: multiply
+    with exact_int_mm (the same bits as torch._int_mm, at float32's speed, with a float32 copy of the weights);
+    None: where int8 matmuls are slow on this CPU and every layer's rows are short enough for it."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
+    if exact_float is None:
+        cfg = model.config
+        exact_float = not int8_matmul_is_fast() and max(cfg.hidden_size, cfg.intermediate_size) <= 2 * EXACT_SPAN
     for layer in model.model.layers:
-        _fuse_attention(layer.self_attn)
-        layer.mlp = Int8MLP(layer.mlp)
-    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias)
+        _fuse_attention(layer.self_attn, exact_float)
+        layer.mlp = Int8MLP(layer.mlp, exact_float)
+    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, exact_float)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from app.int8 import FINE, Int8Linear, int8_matmul_is_fast, split_rows, to_int8
+from app.int8 import FINE, QMAX, Int8Linear, exact_int_mm, int8_matmul_is_fast, split_rows, to_int8
 from app.kvcache import new_kv
 from app.model import LoadedModel, load_model, weight_format, wrap
 from app.ragged import Row, ragged_forward
@@ -46,12 +46,51 @@ def test_a_row_of_int8_linear_does_not_depend_on_its_batch():
         assert torch.equal(layer(rows[i:i + 1]), together[i:i + 1])  # bitwise: integer products are exact
 
 
+@pytest.mark.parametrize("inner", [64, 576, 1024, 1536, 2048])
+@pytest.mark.parametrize("values", ["random", "extreme"])
+def test_exact_int_mm_gives_int_mm_bits(inner, values):
+    """The float32 kernel for CPUs without fast int8 matmuls is the same function, bit for bit, up to rows of
+    2 x EXACT_SPAN; "extreme" puts every sum at its largest (127 * 127 * inner), past 2**24 beyond EXACT_SPAN."""
+    gen = torch.Generator().manual_seed(inner)
+    if values == "random":
+        parts = torch.randint(-QMAX, QMAX + 1, (37, inner), generator=gen, dtype=torch.int8)
+        weight = torch.randint(-QMAX, QMAX + 1, (48, inner), generator=gen, dtype=torch.int8)
+    else:
+        parts = torch.full((3, inner), QMAX, dtype=torch.int8)
+        weight = torch.full((5, inner), -QMAX, dtype=torch.int8)
+        parts[1], weight[2] = -QMAX, QMAX
+    assert torch.equal(exact_int_mm(parts.float(), weight.float()), torch._int_mm(parts, weight.t()).float())
+
+
+def test_a_layer_on_the_exact_float_kernel_gives_the_same_bits():
+    torch.manual_seed(5)
+    weight, bias = torch.randn(96, 1536), torch.randn(96)
+    on_int8, on_float = Int8Linear.from_float(weight, bias), Int8Linear.from_float(weight, bias, exact_float=True)
+    x = torch.randn(9, 1536) * 40
+    assert on_float.weight32 is not None and torch.equal(on_int8(x), on_float(x))
+    assert torch.equal(on_int8.rows(10, 50)(x), on_float.rows(10, 50)(x))
+
+
 def _int8_tiny(tiny_llama: LoadedModel) -> LoadedModel:
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))  # converting changes the model's config
     model.load_state_dict(tiny_llama.model.state_dict())
     return wrap(model, tiny_llama.tokenizer, "tiny-llama-int8", weights="int8")
+
+
+def test_the_exact_float_kernel_gives_a_models_int8_bits(tiny_llama):
+    """Regression: on a CPU without VNNI, int8 ran ~30x slower than float32; its float32 kernel must not change
+    a single bit of the model's logits (so int8 answers are the same on every CPU)."""
+    loaded = _int8_tiny(tiny_llama)
+    ids = torch.randint(5, 1000, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        want = loaded.model(ids).logits
+        for module in loaded.model.modules():
+            if isinstance(module, Int8Linear):
+                module.weight32 = None if module.weight32 is not None else module.weight.float()
+        got = loaded.model(ids).logits
+    assert torch.equal(got, want)
 
 
 def test_int8_tiny_llama_rows_are_bitwise_independent_and_match_its_own_forward(tiny_llama):
@@ -71,15 +110,10 @@ def test_int8_tiny_llama_rows_are_bitwise_independent_and_match_its_own_forward(
 
 
 def real_int8(request) -> LoadedModel:
-    """The real model in int8: the session's own where it runs in int8; else one loaded for the test where this
-    CPU multiplies int8 fast; else a skip (without VNNI the real model's int8 passes take minutes; the tiny
-    int8 model's tests still run, and CI's CPU runs these)."""
+    """The real model in int8: the session's own where it runs in int8, else one loaded for the test (on a CPU
+    without fast int8 matmuls, on the exact float32 kernel: the same bits)."""
     real = request.getfixturevalue("real")
-    if real.weights == "int8":
-        return real
-    if not int8_matmul_is_fast():
-        pytest.skip("int8 matmuls are slow on this CPU (WEIGHTS=auto chose float32)")
-    return load_model(weights="int8")
+    return real if real.weights == "int8" else load_model(weights="int8")
 
 
 @pytest.mark.parametrize("which", ["tiny_llama", "real"])
