@@ -92,24 +92,23 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x in two int8 parts per token."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 exact_float: bool | torch.Tensor = False):
+                 weight32: torch.Tensor | None = None):
+        """`weight32`: the same values in float32, to multiply with exact_int_mm instead of torch._int_mm."""
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
+        assert weight32 is None or weight.shape[1] <= 2 * EXACT_SPAN, "exact_int_mm covers at most two spans"
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
+        self.register_buffer("weight32", weight32, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        if exact_float is True:  # the weights' values again in float32, for exact_int_mm
-            exact_float = weight.float()
-            assert self.in_features <= 2 * EXACT_SPAN, "exact_int_mm covers at most two spans"
-        self.register_buffer("weight32", exact_float if isinstance(exact_float, torch.Tensor) else None,
-                             persistent=False)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    exact_float: bool = False) -> Int8Linear:
         values, scale = quantize_rows(weight.detach().float())
-        return cls(values, scale.squeeze(1), None if bias is None else bias.detach().float().clone(), exact_float)
+        bias = None if bias is None else bias.detach().float().clone()
+        return cls(values, scale.squeeze(1), bias, values.float() if exact_float else None)
 
     @classmethod
     def fused(cls, *linears: nn.Module, exact_float: bool = False) -> Int8Linear:
@@ -121,7 +120,7 @@ class Int8Linear(nn.Module):
     def rows(self, start: int, stop: int) -> Int8Linear:
         """Output channels start..stop as their own layer, sharing this one's memory."""
         bias = None if self.bias is None else self.bias[start:stop]
-        weight32 = False if self.weight32 is None else self.weight32[start:stop]
+        weight32 = None if self.weight32 is None else self.weight32[start:stop]
         return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, weight32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
