@@ -3,7 +3,8 @@
 Why: a float32 decode step of the bundled model reads 540 MB of weights, and on this CPU the matmuls are most
 of the step. Int8 weights are a quarter of the bytes, and `torch._int_mm` multiplies int8 by int8 into int32
 with the CPU's VNNI instructions (measured: the LM head 1.6 ms against 11.5 ms in float32). Without VNNI it is
-far slower than float32, so the default format is chosen by timing both (`int8_matmul_is_fast`).
+a scalar loop, far slower than float32 (a timing at load tells, `int8_matmul_is_fast`); there the same integer
+products run exactly on float hardware (`ExactWeight`, fp16 weights through fbgemm).
 
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
 result depends on that token alone: not on the rows batched beside it in a step, nor on how a prefill was
@@ -53,30 +54,69 @@ def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the weights in int8). The second part holds the first one's rounding error (at most half a step, so FINE
     steps per step fit int8): ~15 bits in all. Both parts go through one matmul, and at decode a step is bound
     by reading the weights, which serve the second part at no extra cost."""
+    parts, scale = split_rows_float(x)
+    return parts.to(torch.int8), scale
+
+
+def split_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_rows with the parts' integer values left in float32, as the exact kernel reads them."""
     scale = _row_scale(x)
     scaled = x / scale
     high = torch.round(scaled)
     low = scaled.sub_(high).mul_(FINE).round_()
-    return torch.cat([high, low]).to(torch.int8), scale
+    return torch.cat([high, low]), scale
 
 
-SKINNY_ROWS = 64  # up to this many activation rows, _float_mm multiplies as W·xᵀ (measured faster for 2-48)
+SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ (measured faster for 2-48)
 EXACT_SPAN = 1024  # float32 holds every integer below 2**24, and 1024 products of int8s stay below it (127**2 * 1024)
 
 
-def exact_int_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`torch._int_mm(parts, weight.T).float()` for int8 values held in float32, bit for bit, on a CPU whose int8
-    matmul is slow (no VNNI: ~30x slower than float32 there, see int8_matmul_is_fast).
+def fbgemm_fp16() -> bool:
+    """Whether this torch has fbgemm's fp16-weight matmul (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized,
+                                                                               "linear_prepack_fp16")
 
-    Why it is exact: every product is an integer below 2**14, and every partial sum over at most EXACT_SPAN
-    of them stays below 2**24, where float32 adds integers exactly in any order, so a kernel's blocking cannot
-    change the result. A longer row is summed as two spans, each exact; adding the two rounds once, to the float
-    nearest the exact total, which is what converting int_mm's int32 total to float does."""
-    inner = parts.shape[1]
-    if inner <= EXACT_SPAN:
-        return _float_mm(parts, weight)
-    half = inner // 2
-    return _float_mm(parts[:, :half], weight[:, :half]).add_(_float_mm(parts[:, half:], weight[:, half:]))
+
+class ExactWeight:
+    """An int8 weight held for float hardware, multiplied with the bits of `torch._int_mm(parts, weight.T)`, for
+    a CPU whose int8 matmul is slow (no VNNI: a scalar loop there, ~30x slower than float32).
+
+    Why it is exact: every product is an integer below 2**14, and every partial sum over at most EXACT_SPAN of
+    them stays below 2**24, where float32 adds integers exactly in any order, so no kernel's blocking can change
+    the result. A longer row is summed as two spans, each exact; adding the two rounds once, to the float nearest
+    the exact total, which is what converting int_mm's int32 total to float does.
+
+    Held as fp16 for fbgemm's fp16-weight matmul where torch has it (int8 values are exact in fp16; the kernel
+    widens them to float32 and adds in float32): half float32's bytes, and on an AVX2 EPYC ~5x faster than
+    torch's float32 matmul at decode (the LM head, one token: 2.4 vs 10.4 ms). Else held in float32."""
+
+    def __init__(self, weight: torch.Tensor, half: bool | None = None):
+        assert weight.dtype == torch.int8 and weight.dim() == 2
+        assert weight.shape[1] <= 2 * EXACT_SPAN, "an exact weight covers at most two spans"
+        self.half = fbgemm_fp16() if half is None else half
+        self._weight = weight
+        self._spans: list[tuple[int, int, object]] | None = None  # held on first use, or by prepare()
+
+    def prepare(self) -> ExactWeight:
+        """Hold the weight for the kernel now (fbgemm packs ~100M values a second) rather than on first use."""
+        if self._spans is None:
+            inner = self._weight.shape[1]
+            cuts = [0, inner] if inner <= EXACT_SPAN else [0, inner // 2, inner]
+            self._spans = [(a, b, self._hold(self._weight[:, a:b])) for a, b in zip(cuts, cuts[1:])]
+        return self
+
+    def _hold(self, values: torch.Tensor):
+        values = values.float().contiguous()
+        return torch.ops.quantized.linear_prepack_fp16(values, None) if self.half else values
+
+    def mm(self, parts: torch.Tensor) -> torch.Tensor:
+        """parts @ weight.T for int8 values held in float32 (one row per token part)."""
+        out = None
+        for a, b, held in self.prepare()._spans:
+            x = parts if b - a == parts.shape[1] else parts[:, a:b].contiguous()
+            y = torch.ops.quantized.linear_dynamic_fp16(x, held) if self.half else _float_mm(x, held)
+            out = y if out is None else out.add_(y)
+        return out
 
 
 def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -92,44 +132,44 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x in two int8 parts per token."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 weight32: torch.Tensor | None = None):
-        """`weight32`: the same values in float32, to multiply with exact_int_mm instead of torch._int_mm."""
+                 exact: bool = False):
+        """`exact`: multiply on float hardware (ExactWeight) instead of with torch._int_mm: the same bits."""
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
-        assert weight32 is None or weight.shape[1] <= 2 * EXACT_SPAN, "exact_int_mm covers at most two spans"
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
-        self.register_buffer("weight32", weight32, persistent=False)
+        self.exact = ExactWeight(weight) if exact else None  # (not a buffer: derived from `weight`, never saved)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   exact_float: bool = False) -> Int8Linear:
+                   exact: bool = False) -> Int8Linear:
         values, scale = quantize_rows(weight.detach().float())
         bias = None if bias is None else bias.detach().float().clone()
-        return cls(values, scale.squeeze(1), bias, values.float() if exact_float else None)
+        return cls(values, scale.squeeze(1), bias, exact)
 
     @classmethod
-    def fused(cls, *linears: nn.Module, exact_float: bool = False) -> Int8Linear:
+    def fused(cls, *linears: nn.Module, exact: bool = False) -> Int8Linear:
         """Layers that read the same input as one: their outputs side by side, in order."""
         biases = [linear.bias for linear in linears]
         bias = None if any(b is None for b in biases) else torch.cat(biases)
-        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact_float)
+        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact)
 
     def rows(self, start: int, stop: int) -> Int8Linear:
-        """Output channels start..stop as their own layer, sharing this one's memory."""
+        """Output channels start..stop as their own layer, sharing this one's int8 memory (an exact kernel's
+        weight is held again for the slice: fbgemm's packed weights cannot be sliced)."""
         bias = None if self.bias is None else self.bias[start:stop]
-        weight32 = None if self.weight32 is None else self.weight32[start:stop]
-        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, weight32)
+        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, self.exact is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        parts, scale = split_rows(flat)
-        if self.weight32 is None:
+        if self.exact is None:
+            parts, scale = split_rows(flat)
             both = torch._int_mm(parts, self.weight.t()).float()  # exact: int8 products summed in int32
         else:
-            both = exact_int_mm(parts.float(), self.weight32)  # the same bits, on float32 hardware
+            parts, scale = split_rows_float(flat)
+            both = self.exact.mm(parts)  # the same bits, on float hardware
         out = both[:len(flat)].add_(both[len(flat):], alpha=1 / FINE).mul_(scale).mul_(self.scale)
         if self.bias is not None:
             out.add_(self.bias)
@@ -142,10 +182,10 @@ class Int8Linear(nn.Module):
 class Int8MLP(nn.Module):
     """A gated MLP with gate and up projections in one matmul (one activation quantization, one kernel)."""
 
-    def __init__(self, mlp: nn.Module, exact_float: bool = False):
+    def __init__(self, mlp: nn.Module, exact: bool = False):
         super().__init__()
-        self.gate_up = Int8Linear.fused(mlp.gate_proj, mlp.up_proj, exact_float=exact_float)
-        self.down_proj = Int8Linear.from_float(mlp.down_proj.weight, mlp.down_proj.bias, exact_float)
+        self.gate_up = Int8Linear.fused(mlp.gate_proj, mlp.up_proj, exact=exact)
+        self.down_proj = Int8Linear.from_float(mlp.down_proj.weight, mlp.down_proj.bias, exact)
         self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,16 +193,16 @@ class Int8MLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def _fuse_attention(attn: nn.Module, exact_float: bool) -> None:
+def _fuse_attention(attn: nn.Module, exact: bool) -> None:
     """q/k/v as one int8 matmul (`attn.qkv_proj`, what the ragged pass calls) and as three views of it (what
     transformers' own forward calls): both compute the same numbers."""
     parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    attn.qkv_proj = Int8Linear.fused(*parts, exact_float=exact_float)
+    attn.qkv_proj = Int8Linear.fused(*parts, exact=exact)
     at = 0
     for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
         setattr(attn, name, attn.qkv_proj.rows(at, at + part.out_features))
         at += part.out_features
-    attn.o_proj = Int8Linear.from_float(attn.o_proj.weight, attn.o_proj.bias, exact_float)
+    attn.o_proj = Int8Linear.from_float(attn.o_proj.weight, attn.o_proj.bias, exact)
 
 
 @functools.cache
@@ -173,7 +213,9 @@ def int8_matmul_is_fast() -> bool:
     torch falls back to a scalar loop (an AVX2-only AMD EPYC: 46 ms against float32's 1.4 ms for an MLP-sized
     matmul of 16 rows, ~30x slower, and a 10-token greeting took minutes; this probe's own matmul there: 4.4-5.4
     against 1.4-1.7 ms). A timing decides, not a CPU flag, because which instructions torch's int8 kernel uses
-    is its own business; the two machine kinds are a factor of ~25 apart, far beyond a shared machine's noise."""
+    is its own business; the two machine kinds are a factor of ~25 apart, far beyond a shared machine's noise.
+    (Not against the exact kernel: it was timed on the AVX2 machine only, and its fp16 products would cost a
+    VNNI machine's prefill, where int8 does four times float32's products a cycle.)"""
     # one decode token (two int8 parts against one float32 row) through an LM-head-like 8,192 x 576 matrix:
     # 19 MB in float32, more than a core's caches hold, so the timing includes reading the weights, as in a step
     rows, inner, out = 1, 576, 8192
@@ -194,19 +236,35 @@ def int8_matmul_is_fast() -> bool:
 
 
 @torch.no_grad()
-def to_int8(model: nn.Module, exact_float: bool | None = None) -> None:
-    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact_float`: multiply
-    with exact_int_mm (the same bits as torch._int_mm, at float32's speed, with a float32 copy of the weights);
-    None: where int8 matmuls are slow on this CPU and every layer's rows are short enough for it."""
+def to_int8(model: nn.Module, exact: bool | None = None) -> None:
+    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on float
+    hardware (ExactWeight: the same bits as torch._int_mm); None: where int8 matmuls are slow on this CPU and
+    every layer's rows are short enough for it."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
-    if exact_float is None:
+    if exact is None:
         cfg = model.config
-        exact_float = not int8_matmul_is_fast() and max(cfg.hidden_size, cfg.intermediate_size) <= 2 * EXACT_SPAN
-        if exact_float:
-            log.info("int8 matmuls are slow on this CPU: int8 runs on the exact float32 kernel (the same bits)")
+        exact = max(cfg.hidden_size, cfg.intermediate_size) <= 2 * EXACT_SPAN and not int8_matmul_is_fast()
+        if exact:
+            log.info("int8 matmuls are slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
+                     "fp16" if fbgemm_fp16() else "float32")
     for layer in model.model.layers:
-        _fuse_attention(layer.self_attn, exact_float)
-        layer.mlp = Int8MLP(layer.mlp, exact_float)
-    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, exact_float)
+        _fuse_attention(layer.self_attn, exact)
+        layer.mlp = Int8MLP(layer.mlp, exact)
+    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, exact)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
+    if exact:
+        _prepare_exact(model)
+
+
+def _prepare_exact(model: nn.Module) -> None:
+    """Hold every exact weight the ragged pass reads now, two at a time (~1 s for the bundled model on two
+    cores), so that the first question does not pay for it. The q/k/v views (transformers' own forward only)
+    are held on first use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    views = {id(part) for layer in model.model.layers
+             for part in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)}
+    weights = [m.exact for m in model.modules() if isinstance(m, Int8Linear) and id(m) not in views]
+    with ThreadPoolExecutor(2, thread_name_prefix="int8-prepare") as pool:
+        list(pool.map(ExactWeight.prepare, weights))

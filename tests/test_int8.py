@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from app.int8 import FINE, QMAX, Int8Linear, exact_int_mm, int8_matmul_is_fast, split_rows, to_int8
+from app.int8 import (FINE, QMAX, ExactWeight, Int8Linear, fbgemm_fp16, int8_matmul_is_fast, split_rows, split_rows_float,
+                      to_int8)
 from app.kvcache import new_kv
 from app.model import LoadedModel, load_model, weight_format, wrap
 from app.ragged import Row, ragged_forward
@@ -46,29 +47,59 @@ def test_a_row_of_int8_linear_does_not_depend_on_its_batch():
         assert torch.equal(layer(rows[i:i + 1]), together[i:i + 1])  # bitwise: integer products are exact
 
 
+HELD = [pytest.param(True, id="fp16", marks=pytest.mark.skipif(not fbgemm_fp16(), reason="no fbgemm")),
+        pytest.param(False, id="float32")]
+
+
 @pytest.mark.parametrize("inner", [64, 576, 1024, 1536, 2048])
 @pytest.mark.parametrize("values", ["random", "extreme"])
-def test_exact_int_mm_gives_int_mm_bits(inner, values):
-    """The float32 kernel for CPUs without fast int8 matmuls is the same function, bit for bit, up to rows of
-    2 x EXACT_SPAN; "extreme" puts every sum at its largest (127 * 127 * inner), past 2**24 beyond EXACT_SPAN."""
+@pytest.mark.parametrize("half", HELD)
+@pytest.mark.parametrize("rows", [1, 37, 80])
+def test_the_exact_kernel_gives_int_mm_bits(inner, values, half, rows):
+    """The kernel for CPUs without fast int8 matmuls is the same function, bit for bit, up to rows of
+    2 x EXACT_SPAN, in fp16 and in float32, for few and many rows (each kernel takes other paths for them);
+    "extreme" puts every sum at its largest (127 * 127 * inner), past 2**24 beyond EXACT_SPAN."""
     gen = torch.Generator().manual_seed(inner)
     if values == "random":
-        parts = torch.randint(-QMAX, QMAX + 1, (37, inner), generator=gen, dtype=torch.int8)
+        parts = torch.randint(-QMAX, QMAX + 1, (rows, inner), generator=gen, dtype=torch.int8)
         weight = torch.randint(-QMAX, QMAX + 1, (48, inner), generator=gen, dtype=torch.int8)
     else:
-        parts = torch.full((3, inner), QMAX, dtype=torch.int8)
-        weight = torch.full((5, inner), -QMAX, dtype=torch.int8)
-        parts[1], weight[2] = -QMAX, QMAX
-    assert torch.equal(exact_int_mm(parts.float(), weight.float()), torch._int_mm(parts, weight.t()).float())
+        parts = torch.full((rows, inner), QMAX, dtype=torch.int8)
+        weight = torch.full((48, inner), -QMAX, dtype=torch.int8)
+        parts[rows // 2], weight[2] = -QMAX, QMAX
+    held = ExactWeight(weight, half=half)
+    assert held.half is half
+    assert torch.equal(held.mm(parts.float()), torch._int_mm(parts, weight.t()).float())
 
 
-def test_a_layer_on_the_exact_float_kernel_gives_the_same_bits():
+def test_a_layer_on_the_exact_kernel_gives_the_same_bits():
     torch.manual_seed(5)
     weight, bias = torch.randn(96, 1536), torch.randn(96)
-    on_int8, on_float = Int8Linear.from_float(weight, bias), Int8Linear.from_float(weight, bias, exact_float=True)
+    on_int8, on_float = Int8Linear.from_float(weight, bias), Int8Linear.from_float(weight, bias, exact=True)
     x = torch.randn(9, 1536) * 40
-    assert on_float.weight32 is not None and torch.equal(on_int8(x), on_float(x))
+    assert on_int8.exact is None and on_float.exact is not None and torch.equal(on_int8(x), on_float(x))
     assert torch.equal(on_int8.rows(10, 50)(x), on_float.rows(10, 50)(x))
+
+
+def test_split_rows_float_holds_split_rows_values():
+    x = torch.randn(5, 200) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [7.0]])
+    (parts, scale), (floats, same) = split_rows(x), split_rows_float(x)
+    assert floats.dtype == torch.float32 and torch.equal(floats, parts.float()) and torch.equal(scale, same)
+
+
+def test_a_model_on_the_exact_kernel_holds_its_weights_at_load(tiny_llama):
+    """The exact kernel's weights are held (fbgemm-packed) at load, not by the first question; the q/k/v views,
+    which only transformers' own forward reads, on first use."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
+    to_int8(model, exact=True)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj.exact._spans is not None and model.lm_head.exact._spans is not None
+    assert attn.q_proj.exact._spans is None
+    with torch.inference_mode():
+        model(torch.tensor([[5, 6, 7]]))
+    assert attn.q_proj.exact._spans is not None
 
 
 def _int8_tiny(tiny_llama: LoadedModel) -> LoadedModel:
@@ -79,8 +110,8 @@ def _int8_tiny(tiny_llama: LoadedModel) -> LoadedModel:
     return wrap(model, tiny_llama.tokenizer, "tiny-llama-int8", weights="int8")
 
 
-def test_the_exact_float_kernel_gives_a_models_int8_bits(tiny_llama):
-    """Regression: on a CPU without VNNI, int8 ran ~30x slower than float32; its float32 kernel must not change
+def test_the_exact_kernel_gives_a_models_int8_bits(tiny_llama):
+    """Regression: on a CPU without VNNI, int8 ran ~30x slower than float32; its exact kernel must not change
     a single bit of the model's logits (so int8 answers are the same on every CPU)."""
     loaded = _int8_tiny(tiny_llama)
     ids = torch.randint(5, 1000, (1, 40), generator=torch.Generator().manual_seed(6))
@@ -88,7 +119,7 @@ def test_the_exact_float_kernel_gives_a_models_int8_bits(tiny_llama):
         want = loaded.model(ids).logits
         for module in loaded.model.modules():
             if isinstance(module, Int8Linear):
-                module.weight32 = None if module.weight32 is not None else module.weight.float()
+                module.exact = None if module.exact is not None else ExactWeight(module.weight)
         got = loaded.model(ids).logits
     assert torch.equal(got, want)
 
@@ -111,7 +142,7 @@ def test_int8_tiny_llama_rows_are_bitwise_independent_and_match_its_own_forward(
 
 def real_int8(request) -> LoadedModel:
     """The real model in int8: the session's own where it runs in int8, else one loaded for the test (on a CPU
-    without fast int8 matmuls, on the exact float32 kernel: the same bits)."""
+    without fast int8 matmuls, on the exact kernel: the same bits)."""
     real = request.getfixturevalue("real")
     return real if real.weights == "int8" else load_model(weights="int8")
 
