@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import AbstractContextManager, closing
 from itertools import count
 from typing import Generator
 
@@ -134,11 +134,14 @@ class Engine:
 
     # ---- one turn -------------------------------------------------------------------------------------------
     def turn(self, session: Session, question: str, settings: Settings | None = None,
-             cancel: threading.Event | None = None, row: int = 0) -> Iterator[Event]:
-        """Answer one question in a session, yielding events; the last one is EpisodeFinished."""
+             cancel: threading.Event | None = None, row: int = 0,
+             scope: AbstractContextManager[None] | None = None) -> Iterator[Event]:
+        """Answer one question in a session, yielding events; the last one is EpisodeFinished. `scope`: the
+        backend's turn scope, when the caller entered it ahead of the turn (a batch's rows)."""
         settings = (settings or Settings()).validated(self.context_limit)
         question = clean_question(question)
-        with session.lock, self.backend.turn_scope():  # (a turn waiting for its session's lock is not in scope)
+        # (a turn waiting for its session's lock is not in scope)
+        with session.lock, scope if scope is not None else self.backend.turn_scope():
             yield from self._turn(session, question, settings, cancel, row)
 
     def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
@@ -261,14 +264,20 @@ class Engine:
             clean_question(question)
         stop = cancel if cancel is not None else threading.Event()
         events: queue.SimpleQueue = queue.SimpleQueue()
+        workers = max(1, min(len(questions), self.backend.parallel))
+        # The first rows' turn scopes open before any row starts, so the backend waits for all of their questions
+        # and prefills them in one step: opened by each row's thread, the first row's question went through a
+        # step alone (~150 ms), the others arriving a few ms later.
+        scopes = [_HeldScope(self.backend.turn_scope()) for _ in range(workers)]
 
         def answer(row: int, question: str) -> None:
             session = None
+            scope = scopes[row] if row < workers else None
             try:
                 if stop.is_set():
                     return
                 session = self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + row)
-                for event in self.turn(session, question, settings, stop, row):
+                for event in self.turn(session, question, settings, stop, row, scope):
                     events.put(event)
             except Exception as error:
                 if session is None or not session.episodes:  # nothing ran: the whole batch is wrong
@@ -278,10 +287,11 @@ class Engine:
                 episode.error = str(error)
                 events.put(EpisodeFinished(row, episode))
             finally:
+                if scope is not None:
+                    scope.close()  # (the turn closed it, unless it never ran)
                 events.put(row)  # this row is done
 
-        workers = min(len(questions), self.backend.parallel)
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="batch-row") as pool:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batch-row") as pool:
             try:
                 for row, question in enumerate(questions):
                     pool.submit(answer, row, question)
@@ -325,6 +335,26 @@ def in_row_order(events: Iterator[Event]) -> Iterator[Event]:
             yield from waiting.pop(current, [])
     for row in sorted(waiting):
         yield from waiting[row]
+
+
+class _HeldScope:
+    """A context manager entered now, on behalf of a turn that begins later: `with` it does nothing on entry and
+    leaves the scope on exit; close() leaves it too (once)."""
+
+    def __init__(self, scope: AbstractContextManager[None]):
+        scope.__enter__()
+        self._scope: AbstractContextManager[None] | None = scope
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.__exit__(None, None, None)
 
 
 def _last_episode(events: Iterator[Event]) -> Episode:

@@ -228,3 +228,22 @@ def test_a_batch_runs_its_rows_at_once_and_returns_them_in_order(tiny_llama):
     assert engine.loaded.scheduler.stats.steps - before < 8 * 12  # fewer steps than one row after another
     rows = [e.row for e in engine.stream_batch(questions[:3], settings) if isinstance(e, EpisodeFinished)]
     assert sorted(rows) == [0, 1, 2]
+
+
+def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypatch):
+    """Regression: each batch row opened its own turn scope when its thread got going, so the first row's
+    question went through a step alone (~150 ms on the real model) while the other seven were a few ms behind.
+    The batch now opens its rows' scopes before any starts; a long gather wait makes the check independent of
+    thread timing."""
+    import app.scheduler
+
+    monkeypatch.setattr(app.scheduler, "GATHER_S", 5.0)
+    engine = Engine(tiny_llama)
+    engine.ask(engine.new_session(), "warm up", Settings(max_new_tokens=2, max_turns=0))
+    steps: list[int] = []
+    scheduler = engine.loaded.scheduler
+    ragged = scheduler._ragged
+    monkeypatch.setattr(scheduler, "_ragged", lambda plan: (steps.append(len(plan)), ragged(plan)))
+    engine.run([f"question number {i}" for i in range(8)], Settings(max_new_tokens=4, max_turns=0))
+    assert steps[0] == 8
+    assert scheduler.rows_in_turns() == 0  # every row's scope was left
