@@ -7,6 +7,11 @@ with the tools' marker (`Result = Good morning!<response>`); the stops catch bot
 without `<submit>`. Masking the tokens that would do either while the model is on its answer line leaves it the
 choices the format allows: go on, `<submit>`, or EOS. A `<` not followed by a letter ("3 < 5") stays free.
 
+After a tool's output the model's next line opens its answer or another call (`Result =` or `<request>`, after
+at most one newline): a small model sometimes wrote the next example's "\nQ:" right after the `<response>`
+("Can you help me?" searched "help"; "Explain the term snippage." got its entry, then wrote nothing), which
+ended the turn with no answer at all, shown as "(no text)".
+
 This is a constraint on the next token, like a grammar in serving engines: deterministic, applied in the same
 way with the cache on or off and to verified drafts, so greedy output stays a pure function of the token ids.
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from app.protocol import ANSWER_PREFIX, SUBMIT
+from app.protocol import ANSWER_PREFIX, REQUEST, RESPONSE, SUBMIT
 
 if TYPE_CHECKING:
     import torch
@@ -37,15 +42,45 @@ def breaks_the_line(text: str) -> bool:
     return False
 
 
+OPENINGS = (ANSWER_PREFIX, REQUEST)  # what the line after a tool's output may open with
+
+
+def opens_well(head: str) -> bool:
+    """Whether `head`, the start of a segment after a tool's output, opens (or can still open) the answer or
+    another call: at most one newline, then (the start of) `Result =` or `<request>`, and nothing after it that
+    breaks that line."""
+    rest = head[1:] if head.startswith("\n") else head
+    for opening in OPENINGS:
+        if opening.startswith(rest):
+            return True
+        if rest.startswith(opening):
+            after = rest[len(opening):]
+            return not breaks_the_line(after) if opening == ANSWER_PREFIX else "\n" not in after
+    return False
+
+
+def follows_a_tool(texts: list[str]) -> bool:
+    """Whether a segment starts right after a tool's output: the texts of the session's last few tokens end with
+    the tools' `<response>` marker."""
+    return "".join(texts).endswith(RESPONSE)
+
+
 class AnswerLine:
     """One segment's view of the line the model is writing: whether it is the answer line, and the `<tag` its
     text ends with. Fed the segment's text as it grows; a segment starts on a new line (after the question's
     line or a tool's `<response>`)."""
 
-    def __init__(self, prefix: str = ANSWER_PREFIX):
+    def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False):
         self._prefix = prefix
         self._opening = ""  # the line's first characters: whether it is the answer line
         self._end = ""  # its last characters: an open `<tag`
+        # after a tool's output: the segment's text until it opens the answer or a call (None: no such rule now)
+        self._head: str | None = "" if after_tool else None
+
+    @property
+    def head(self) -> str | None:
+        """The segment's text so far while its first line must still open the answer or a call, else None."""
+        return self._head
 
     @property
     def on_answer(self) -> bool:
@@ -60,10 +95,15 @@ class AnswerLine:
 
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
-        other._opening, other._end = self._opening, self._end
+        other._opening, other._end, other._head = self._opening, self._end, self._head
         return other
 
     def push(self, delta: str) -> None:
+        if self._head is not None:
+            self._head += delta
+            rest = self._head[1:] if self._head.startswith("\n") else self._head
+            if any(rest.startswith(opening) for opening in OPENINGS):
+                self._head = None  # opened: the answer line's own rules (or none, in a call) from here
         if "\n" in delta:
             self._opening = self._end = ""
             delta = delta.rsplit("\n", 1)[-1]
@@ -78,13 +118,21 @@ class AnswerGrammar:
     def __init__(self, tokenizer):
         self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         self._banned: dict[str | None, tuple[torch.Tensor, frozenset[int]]] = {}
+        self._banned_heads: dict[str, tuple[torch.Tensor, frozenset[int]]] = {}
 
     def text(self, token: int) -> str:
         """A token's text, as decoded once here (no tokenizer call, so no lock)."""
         return self._texts[token]
 
+    def follows_a_tool(self, ids: list[int]) -> bool:
+        """Whether a segment that starts after these ids follows a tool's output."""
+        return follows_a_tool([self._texts[i] for i in ids[-len(RESPONSE):]])
+
     def banned(self, line: AnswerLine) -> tuple[torch.Tensor, frozenset[int]] | None:
-        """(ids as a tensor, the same as a set) of the tokens the line cannot take next; None off the answer line."""
+        """(ids as a tensor, the same as a set) of the tokens the line cannot take next; None off the answer line
+        (and not right after a tool's output)."""
+        if line.head is not None:
+            return self._banned_after_tool(line.head)
         if not line.on_answer:
             return None
         state = line.open_tag
@@ -95,6 +143,14 @@ class AnswerGrammar:
             ids = [i for i, text in enumerate(self._texts) if breaks_the_line(head + text)]
             self._banned[state] = (torch.tensor(ids, dtype=torch.long), frozenset(ids))
         return self._banned[state]
+
+    def _banned_after_tool(self, head: str) -> tuple[torch.Tensor, frozenset[int]]:
+        if head not in self._banned_heads:
+            import torch
+
+            ids = [i for i, text in enumerate(self._texts) if not opens_well(head + text)]
+            self._banned_heads[head] = (torch.tensor(ids, dtype=torch.long), frozenset(ids))
+        return self._banned_heads[head]
 
     def mask(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
         """One position's logits with the tokens the line cannot take at -inf (the logits themselves when none)."""

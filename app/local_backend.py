@@ -56,7 +56,9 @@ class LocalBackend:
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
         if not settings.use_cache:
             cache.drop_kv()
-        stops, detok, line = self.stops.start(), Detokenizer(self.tokenizer), AnswerLine()
+        grammar = self.loaded.answer_grammar
+        stops, detok = self.stops.start(), Detokenizer(self.tokenizer)
+        line = AnswerLine(after_tool=grammar.follows_a_tool(cache.ids))
         lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
         # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.

@@ -444,3 +444,50 @@ def test_a_message_that_is_not_text_is_a_clear_error(tiny_llama):
     engine = Engine(tiny_llama, prompt=PROMPT)
     with pytest.raises(InputError, match="text"):
         engine.ask(engine.new_session(), None)
+
+
+@pytest.mark.parametrize("head, well", [
+    ("", True), ("\n", True), ("\nR", True), ("\nResult =", True), ("\nResult = 5", True), ("Result", True),
+    ("\n<request><Calculator>2", True), ("\nQ", False), ("\nQ:", False), ("\n\n", False), ("\nResult =\n", False),
+    ("\n<submit>", False), ("<|im_end|>", False), ("\nResult = 5<response>", False), (" The", False),
+])
+def test_what_opens_the_line_after_a_tool(head, well):
+    from app.answer_line import opens_well
+
+    assert opens_well(head) is well
+
+
+def test_the_line_after_a_tool_is_held_until_it_opens():
+    from app.answer_line import AnswerLine
+
+    line = AnswerLine(after_tool=True)
+    assert line.head == ""
+    line.push("\nRes")
+    assert line.head == "\nRes" and not line.on_answer
+    line.push("ult = 5")
+    assert line.head is None and line.on_answer
+    call = AnswerLine(after_tool=True)
+    call.push("<request><Search>grok")
+    assert call.head is None and not call.on_answer
+    assert AnswerLine().head is None  # a segment that does not follow a tool: no such rule
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 8])
+def test_after_a_tool_the_model_answers_instead_of_writing_the_next_question(tiny_llama, tokenizer, draft_tokens):
+    """Regression (answer_quality.py): after a search's output the model wrote "\\nQ:" at once, and the turn ended
+    with no answer ("(no text)" on the page). Now the line after a tool's output opens the answer or another
+    call; the tiny model, kept from "Q", writes one of the two openings."""
+    import re
+
+    call = "<request><Calculator>2+3<call>"
+    plan = plan_text(tokenizer, (0, call), (len(encode(tokenizer, call)), "\nQ: next one"))
+    _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=12, max_turns=1, draft_tokens=draft_tokens)
+    after = episode.segments[2]
+    assert after.stop is None or after.stop.string != "\nQ:", after
+    assert re.match(r"\n?(Result =|<request>)", after.text), after.text
+
+
+def test_a_line_that_follows_no_tool_may_still_be_the_next_question(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "\nQ: next"))
+    _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=12)
+    assert episode.stop.string == "\nQ:"
