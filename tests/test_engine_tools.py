@@ -33,7 +33,7 @@ TOOLS = {**default_tools(), "Boom": Tool("Boom", "always fails", boom),
 
 
 def tool_episode(tiny_llama, tokenizer, call: str, **settings):
-    plan = plan_text(tokenizer, (0, call), (len(encode(tokenizer, call)), "ok<submit>"))
+    plan = plan_text(tokenizer, (0, call), (len(encode(tokenizer, call)), "\nResult = ok<submit>"))
     engine = Engine(forced(tiny_llama, plan), tools=TOOLS, prompt=PROMPT)
     session = prime(engine)
     episode = engine.ask(session, "go", Settings(max_new_tokens=40, **settings))
