@@ -49,7 +49,7 @@ def opens_well(head: str) -> bool:
     """Whether `head`, the start of a segment after a tool's output, opens (or can still open) the answer or
     another call: at most one newline, then (the start of) `Result =` or `<request>`, and nothing after it that
     breaks that line."""
-    rest = head[1:] if head.startswith("\n") else head
+    rest = _past_one_newline(head)
     for opening in OPENINGS:
         if opening.startswith(rest):
             return True
@@ -59,10 +59,8 @@ def opens_well(head: str) -> bool:
     return False
 
 
-def follows_a_tool(texts: list[str]) -> bool:
-    """Whether a segment starts right after a tool's output: the texts of the session's last few tokens end with
-    the tools' `<response>` marker."""
-    return "".join(texts).endswith(RESPONSE)
+def _past_one_newline(head: str) -> str:
+    return head[1:] if head.startswith("\n") else head
 
 
 class AnswerLine:
@@ -101,8 +99,7 @@ class AnswerLine:
     def push(self, delta: str) -> None:
         if self._head is not None:
             self._head += delta
-            rest = self._head[1:] if self._head.startswith("\n") else self._head
-            if any(rest.startswith(opening) for opening in OPENINGS):
+            if _past_one_newline(self._head).startswith(OPENINGS):
                 self._head = None  # opened: the answer line's own rules (or none, in a call) from here
         if "\n" in delta:
             self._opening = self._end = ""
@@ -117,40 +114,37 @@ class AnswerGrammar:
 
     def __init__(self, tokenizer):
         self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
-        self._banned: dict[str | None, tuple[torch.Tensor, frozenset[int]]] = {}
-        self._banned_heads: dict[str, tuple[torch.Tensor, frozenset[int]]] = {}
+        # (rule, its state) -> (ids as a tensor, the same as a set); a handful of states, each computed once
+        self._banned: dict[tuple[str, str | None], tuple[torch.Tensor, frozenset[int]]] = {}
 
     def text(self, token: int) -> str:
         """A token's text, as decoded once here (no tokenizer call, so no lock)."""
         return self._texts[token]
 
     def follows_a_tool(self, ids: list[int]) -> bool:
-        """Whether a segment that starts after these ids follows a tool's output."""
-        return follows_a_tool([self._texts[i] for i in ids[-len(RESPONSE):]])
+        """Whether a segment that starts after these ids follows a tool's output: the texts of the last few ids end
+        with the tools' `<response>` marker."""
+        return "".join(self._texts[i] for i in ids[-len(RESPONSE):]).endswith(RESPONSE)
 
     def banned(self, line: AnswerLine) -> tuple[torch.Tensor, frozenset[int]] | None:
         """(ids as a tensor, the same as a set) of the tokens the line cannot take next; None off the answer line
         (and not right after a tool's output)."""
         if line.head is not None:
-            return self._banned_after_tool(line.head)
+            head = line.head
+            return self._ban(("after tool", head), lambda text: not opens_well(head + text))
         if not line.on_answer:
             return None
         state = line.open_tag
-        if state not in self._banned:
+        tag = "" if state is None else "<" + state
+        return self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
+
+    def _ban(self, key: tuple[str, str | None], bans) -> tuple[torch.Tensor, frozenset[int]]:
+        if key not in self._banned:
             import torch
 
-            head = "" if state is None else "<" + state
-            ids = [i for i, text in enumerate(self._texts) if breaks_the_line(head + text)]
-            self._banned[state] = (torch.tensor(ids, dtype=torch.long), frozenset(ids))
-        return self._banned[state]
-
-    def _banned_after_tool(self, head: str) -> tuple[torch.Tensor, frozenset[int]]:
-        if head not in self._banned_heads:
-            import torch
-
-            ids = [i for i, text in enumerate(self._texts) if not opens_well(head + text)]
-            self._banned_heads[head] = (torch.tensor(ids, dtype=torch.long), frozenset(ids))
-        return self._banned_heads[head]
+            ids = [i for i, text in enumerate(self._texts) if bans(text)]
+            self._banned[key] = (torch.tensor(ids, dtype=torch.long), frozenset(ids))
+        return self._banned[key]
 
     def mask(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
         """One position's logits with the tokens the line cannot take at -inf (the logits themselves when none)."""

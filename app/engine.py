@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, closing
+from contextlib import AbstractContextManager, ExitStack, closing
 from itertools import count
 from typing import Generator
 
@@ -268,7 +268,9 @@ class Engine:
         # The first rows' turn scopes open before any row starts, so the backend waits for all of their questions
         # and prefills them in one step: opened by each row's thread, the first row's question went through a
         # step alone (~150 ms), the others arriving a few ms later.
-        scopes = [_HeldScope(self.backend.turn_scope()) for _ in range(workers)]
+        scopes = [ExitStack() for _ in range(workers)]  # (`with` one is a no-op on entry and leaves the scope on exit)
+        for scope in scopes:
+            scope.enter_context(self.backend.turn_scope())
 
         def answer(row: int, question: str) -> None:
             session = None
@@ -335,26 +337,6 @@ def in_row_order(events: Iterator[Event]) -> Iterator[Event]:
             yield from waiting.pop(current, [])
     for row in sorted(waiting):
         yield from waiting[row]
-
-
-class _HeldScope:
-    """A context manager entered now, on behalf of a turn that begins later: `with` it does nothing on entry and
-    leaves the scope on exit; close() leaves it too (once)."""
-
-    def __init__(self, scope: AbstractContextManager[None]):
-        scope.__enter__()
-        self._scope: AbstractContextManager[None] | None = scope
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        scope, self._scope = self._scope, None
-        if scope is not None:
-            scope.__exit__(None, None, None)
 
 
 def _last_episode(events: Iterator[Event]) -> Episode:
