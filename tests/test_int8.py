@@ -87,6 +87,21 @@ def test_split_rows_float_holds_split_rows_values():
     assert floats.dtype == torch.float32 and torch.equal(floats, parts.float()) and torch.equal(scale, same)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 80])
+def test_split_rows_rounds_as_torch_round(rows):
+    """The add-based rounding (app.int8._round_: torch.round woke the second core for each of an 8-row step's
+    ~240 roundings) gives torch.round's values, ties to even included."""
+    from app.int8 import _round_
+
+    halves = torch.arange(-4 * 2 * QMAX, 4 * 2 * QMAX + 1, dtype=torch.float32) / 4  # every quarter in range
+    assert torch.equal(_round_(halves.clone()), torch.round(halves))
+    x = torch.randn(rows, 1536) * torch.logspace(-4, 3, rows).unsqueeze(1)
+    scale = x.abs().amax(dim=-1, keepdim=True).div_(QMAX)
+    high = torch.round(x / scale)
+    low = torch.round((x / scale - high) * FINE)
+    assert torch.equal(split_rows_float(x)[0], torch.cat([high, low]))
+
+
 def test_a_model_on_the_exact_kernel_holds_its_weights_at_load(tiny_llama):
     """The exact kernel's weights are held (fbgemm-packed) at load, not by the first question; the q/k/v views,
     which only transformers' own forward reads, on first use."""
