@@ -4,7 +4,7 @@ Why: a float32 decode step of the bundled model reads 540 MB of weights, and on 
 of the step. Int8 weights are a quarter of the bytes, and `torch._int_mm` multiplies int8 by int8 into int32
 with the CPU's VNNI instructions (measured: the LM head 1.6 ms against 11.5 ms in float32). Without VNNI it is
 a scalar loop, far slower than float32 (a timing at load tells, `int8_matmul_is_fast`); there the same integer
-products run exactly on float hardware (`ExactWeight`, fp16 weights through fbgemm).
+products run exactly on fbgemm's int8 kernel (`ExactWeight`), else on float hardware.
 
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
 result depends on that token alone: not on the rows batched beside it in a step, nor on how a prefill was
@@ -12,7 +12,9 @@ chunked (tested bitwise). Library routes quantize a whole input tensor with one 
 int8), which would make a session's answer depend on who else was in the step.
 
 Why two parts per activation (`split_rows`): with one, int8's rounding of activations cost more accuracy than
-the int8 weights did. Weights get one scale per output channel. Embeddings, norms and attention stay float32,
+the int8 weights did. Each part is 7-bit (|value| <= ACT_MAX): a CPU without VNNI multiplies unsigned by signed
+bytes and adds pairs of products in 16 bits, which is exact only with 7-bit activations (fbgemm's `reduce_range`).
+Weights get one scale per output channel (8-bit). Embeddings, norms and attention stay float32,
 and so does the embedding table, which the LM head no longer shares once converted.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -29,38 +32,39 @@ from app.ragged import supports
 
 log = logging.getLogger(__name__)
 
-QMAX = 127
-FINE = 2 * QMAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-QMAX, QMAX]
+QMAX = 127  # a weight's largest int8 value
+ACT_MAX = 63  # an activation part's: 7 bits (see the module's docstring)
+FINE = 2 * ACT_MAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-ACT_MAX, ACT_MAX]
 
 
-def _row_scale(x: torch.Tensor) -> torch.Tensor:
-    """One float32 scale per row: its largest magnitude over QMAX (a zero row gets a tiny one, not a division
+def _row_scale(x: torch.Tensor, qmax: int) -> torch.Tensor:
+    """One float32 scale per row: its largest magnitude over qmax (a zero row gets a tiny one, not a division
     by zero)."""
     # (abs().amax(): the same values as an inf-norm, ~5x faster on a [80, 576] step input: 14 vs 79 us)
-    return x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+    return x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(qmax)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, float32 scale per row) with x ≈ values * scale, each row scaled by its own largest value."""
-    scale = _row_scale(x)
+    scale = _row_scale(x, QMAX)
     return torch.round(x / scale).to(torch.int8), scale
 
 
 def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x as two int8 parts: x ≈ (high + low / FINE) * scale, returned as ([high; low], scale).
+    """Each row of x as two 7-bit parts: x ≈ (high + low / FINE) * scale, returned as ([high; low], scale).
 
-    One int8 part per token keeps about 8 bits of each activation, and that rounding was most of int8's error
+    One 8-bit part per token kept about 8 bits of each activation, and that rounding was most of int8's error
     (measured on the system prompt and questions: 92.9 % of next tokens agreed with float32, 97.9 % with only
     the weights in int8). The second part holds the first one's rounding error (at most half a step, so FINE
-    steps per step fit int8): ~15 bits in all. Both parts go through one matmul, and at decode a step is bound
-    by reading the weights, which serve the second part at no extra cost."""
+    steps per step fit the part): ~13 bits in all. Both parts go through one matmul, and at decode a step is
+    bound by reading the weights, which serve the second part at no extra cost."""
     parts, scale = split_rows_float(x)
     return parts.to(torch.int8), scale
 
 
 def split_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """split_rows with the parts' integer values left in float32, as the exact kernel reads them."""
-    scale = _row_scale(x)
+    scale = _row_scale(x, ACT_MAX)
     scaled = x / scale
     high = _round_(scaled + 0)
     low = _round_(scaled.sub_(high).mul_(FINE))
@@ -79,55 +83,59 @@ def _round_(x: torch.Tensor) -> torch.Tensor:
 
 
 SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ (measured faster for 2-48)
-EXACT_SPAN = 1024  # float32 holds every integer below 2**24, and 1024 products of int8s stay below it (127**2 * 1024)
+EXACT_SPAN = 2048  # float32 holds every integer below 2**24, and 2048 products stay below it (63 * 127 * 2048)
 
 
-def fbgemm_fp16() -> bool:
-    """Whether this torch has fbgemm's fp16-weight matmul (x86 builds do)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized,
-                                                                               "linear_prepack_fp16")
+def fbgemm_int8() -> bool:
+    """Whether this torch has fbgemm's int8 matmul (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
 class ExactWeight:
-    """An int8 weight held for float hardware, multiplied with the bits of `torch._int_mm(parts, weight.T)`, for
-    a CPU whose int8 matmul is slow (no VNNI: a scalar loop there, ~30x slower than float32).
+    """An int8 weight held for another kernel, multiplied with the bits of `torch._int_mm(parts, weight.T)`, for a
+    CPU whose `_int_mm` is slow (no VNNI: a scalar loop there, ~30x slower than float32).
 
-    Why it is exact: every product is an integer below 2**14, and every partial sum over at most EXACT_SPAN of
-    them stays below 2**24, where float32 adds integers exactly in any order, so no kernel's blocking can change
-    the result. A longer row is summed as two spans, each exact; adding the two rounds once, to the float nearest
-    the exact total, which is what converting int_mm's int32 total to float does.
+    fbgemm's int8 kernel, where torch has it: it multiplies unsigned by signed bytes, exactly for 7-bit
+    activations, and sums in int32. It picks one scale per call from its input's smallest and largest value; a
+    calibration row holding the ends of the 7-bit range (-64, 63) makes that scale 1 and the zero point 64, so
+    every part's integer value passes unchanged, whoever shares the call, and with the weight's scale 1 the
+    result is the int32 sum as a float. On an AVX2 EPYC it took 0.80-0.85x fp16-held weights' decode step and
+    0.7-0.8x their prefill (a scratch A/B in one process), on half their bytes.
 
-    Held as fp16 for fbgemm's fp16-weight matmul where torch has it (int8 values are exact in fp16; the kernel
-    widens them to float32 and adds in float32): half float32's bytes, and on an AVX2 EPYC ~5x faster than
-    torch's float32 matmul at decode (the LM head, one token: 2.4 vs 10.4 ms). Else held in float32."""
+    Else float32 (W·xᵀ, `_float_mm`): every product is an integer of magnitude below 63 * 127, and every partial
+    sum of at most EXACT_SPAN of them stays below 2**24, where float32 adds integers exactly in any order, so no
+    kernel's blocking can change the result."""
 
-    def __init__(self, weight: torch.Tensor, half: bool | None = None):
+    def __init__(self, weight: torch.Tensor, fbgemm: bool | None = None):
         assert weight.dtype == torch.int8 and weight.dim() == 2
-        assert weight.shape[1] <= 2 * EXACT_SPAN, "an exact weight covers at most two spans"
-        self.half = fbgemm_fp16() if half is None else half
+        self.fbgemm = fbgemm_int8() if fbgemm is None else fbgemm
+        assert self.fbgemm or weight.shape[1] <= EXACT_SPAN, "float32 sums are exact up to EXACT_SPAN products"
         self._weight = weight
-        self._spans: list[tuple[int, int, object]] | None = None  # held on first use, or by prepare()
+        self._held = None  # held on first use, or by prepare()
+        self._ends = None  # fbgemm's calibration row (see the class docstring)
 
     def prepare(self) -> ExactWeight:
-        """Hold the weight for the kernel now (fbgemm packs ~100M values a second) rather than on first use."""
-        if self._spans is None:
-            inner = self._weight.shape[1]
-            cuts = [0, inner] if inner <= EXACT_SPAN else [0, inner // 2, inner]
-            self._spans = [(a, b, self._hold(self._weight[:, a:b])) for a, b in zip(cuts, cuts[1:])]
+        """Hold the weight for the kernel now (packing ~100M values a second) rather than on first use."""
+        if self._held is None:
+            if self.fbgemm:
+                inner = self._weight.shape[1]
+                ends = torch.zeros(2 if inner == 1 else 1, inner)
+                ends.view(-1)[:2] = torch.tensor([-(ACT_MAX + 1.0), float(ACT_MAX)])
+                with warnings.catch_warnings():  # (quantized tensors are deprecated; fbgemm's kernel is not gone yet)
+                    warnings.simplefilter("ignore", UserWarning)
+                    whole = torch._make_per_tensor_quantized_tensor(self._weight.contiguous(), 1.0, 0)
+                self._ends, self._held = ends, torch.ops.quantized.linear_prepack(whole, None)
+            else:
+                self._held = self._weight.float().contiguous()
         return self
 
-    def _hold(self, values: torch.Tensor):
-        values = values.float().contiguous()
-        return torch.ops.quantized.linear_prepack_fp16(values, None) if self.half else values
-
     def mm(self, parts: torch.Tensor) -> torch.Tensor:
-        """parts @ weight.T for int8 values held in float32 (one row per token part)."""
-        out = None
-        for a, b, held in self.prepare()._spans:
-            x = parts if b - a == parts.shape[1] else parts[:, a:b].contiguous()
-            y = torch.ops.quantized.linear_dynamic_fp16(x, held) if self.half else _float_mm(x, held)
-            out = y if out is None else out.add_(y)
-        return out
+        """parts @ weight.T for 7-bit values held in float32 (one row per token part)."""
+        held = self.prepare()._held
+        if not self.fbgemm:
+            return _float_mm(parts, held)
+        both = torch.cat([parts, self._ends])
+        return torch.ops.quantized.linear_dynamic(both, held, True)[:len(parts)]
 
 
 def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -225,12 +233,11 @@ def int8_matmul_is_fast() -> bool:
     matmul of 16 rows, ~30x slower, and a 10-token greeting took minutes; this probe's own matmul there: 4.4-5.4
     against 1.4-1.7 ms). A timing decides, not a CPU flag, because which instructions torch's int8 kernel uses
     is its own business; the two machine kinds are a factor of ~25 apart, far beyond a shared machine's noise.
-    (Not against the exact kernel: it was timed on the AVX2 machine only, and its fp16 products would cost a
-    VNNI machine's prefill, where int8 does four times float32's products a cycle.)"""
+    (Not against the exact kernel: that was timed on the AVX2 machine only.)"""
     # one decode token (two int8 parts against one float32 row) through an LM-head-like 8,192 x 576 matrix:
     # 19 MB in float32, more than a core's caches hold, so the timing includes reading the weights, as in a step
     rows, inner, out = 1, 576, 8192
-    parts = torch.randint(-QMAX, QMAX + 1, (2 * rows, inner), dtype=torch.int8)
+    parts = torch.randint(-ACT_MAX, ACT_MAX + 1, (2 * rows, inner), dtype=torch.int8)
     weight = torch.randint(-QMAX, QMAX + 1, (out, inner), dtype=torch.int8)
     x, weight32 = torch.randn(rows, inner), torch.randn(out, inner)
 
@@ -255,10 +262,11 @@ def to_int8(model: nn.Module, exact: bool | None = None) -> None:
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
     if exact is None:
         cfg = model.config
-        exact = max(cfg.hidden_size, cfg.intermediate_size) <= 2 * EXACT_SPAN and not int8_matmul_is_fast()
+        fits = fbgemm_int8() or max(cfg.hidden_size, cfg.intermediate_size) <= EXACT_SPAN
+        exact = fits and not int8_matmul_is_fast()
         if exact:
-            log.info("int8 matmuls are slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
-                     "fp16" if fbgemm_fp16() else "float32")
+            log.info("torch's int8 matmul is slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
+                     "fbgemm" if fbgemm_int8() else "float32")
     for layer in model.model.layers:
         _fuse_attention(layer.self_attn, exact)
         layer.mlp = Int8MLP(layer.mlp, exact)
