@@ -21,9 +21,10 @@ def real() -> LoadedModel:
 def logit_tolerance(loaded: LoadedModel) -> float:
     """How far two computations of the same logits may differ when they attend over different shapes (cached
     and uncached, solo and batched). float32: rounding only. int8: an activation a rounding error away from a
-    step boundary lands on the other side, a jump of one 1/32,000 step of that token's largest activation
-    (measured: up to 0.016 on the real model; the greedy tokens, which the tests also compare, stay equal)."""
-    return 1e-4 if loaded.weights == "float32" else 0.05
+    step boundary lands on the other side, a jump of one step of that token's largest activation: 1/7,938 with
+    7-bit parts (measured up to 0.076 on the real model; 0.016 with 8-bit parts, 1/32,258); the greedy tokens,
+    which the tests also compare, stay equal."""
+    return 1e-4 if loaded.weights == "float32" else 0.2
 
 
 @pytest.fixture(scope="session")
