@@ -7,6 +7,12 @@ with the tools' marker (`Result = Good morning!<response>`); the stops catch bot
 without `<submit>`. Masking the tokens that would do either while the model is on its answer line leaves it the
 choices the format allows: go on, `<submit>`, or EOS. A `<` not followed by a letter ("3 < 5") stays free.
 
+Where the model would end the answer's line (a newline, once the line holds some answer), the line ends as the
+format ends it: the newlines' probability goes to the `<` of `<submit>`, and a `<` right after the answer's text
+can only go on to spell `<submit>`. Masking the newline alone left the model to go on writing after the answer it
+meant to end, and it sometimes looped ("Result = Thanks, I'm glad you helped me. I'm glad you helped me. ..."
+until the repetition stop), or wrote past the definition it had copied.
+
 After a tool's output the model's next line opens its answer or another call (`Result =` or `<request>`, after
 at most one newline): a small model sometimes wrote the next example's "\nQ:" right after the `<response>`
 ("Can you help me?" searched "help"; "Explain the term snippage." got its entry, then wrote nothing), which
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
 
 _TAG = re.compile(r"<([A-Za-z]*)")
 _OPEN_TAG = re.compile(r"<([A-Za-z]*)$")
+_GLUED = re.compile(r"\S<[A-Za-z]*$")  # a `<` right after the answer's text: it ends the line (not "3 < 5")
 _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
 
 
@@ -59,6 +66,11 @@ def opens_well(head: str) -> bool:
     return False
 
 
+def _spells_submit(text: str) -> bool:
+    """Whether text, which opens with `<`, goes on spelling `<submit>` (up to its `>`) and adds something."""
+    return len(text) > 1 and SUBMIT.startswith(text)
+
+
 def _past_one_newline(head: str) -> str:
     return head[1:] if head.startswith("\n") else head
 
@@ -84,6 +96,17 @@ class AnswerLine:
     def on_answer(self) -> bool:
         """Whether the answer line's grammar applies now: the current line opens with the answer prefix."""
         return self._opening.lstrip().startswith(self._prefix)
+
+    @property
+    def can_end(self) -> bool:
+        """Whether the line is the answer line with some answer on it, outside a `<tag`: where a newline the model
+        writes ends the answer (AnswerGrammar.mask)."""
+        return self.on_answer and bool(self._opening.lstrip()[len(self._prefix):].strip()) and self.open_tag is None
+
+    @property
+    def glued_tag(self) -> bool:
+        """Whether the line ends with an open `<tag` written right after its text (no space before the `<`)."""
+        return _GLUED.search(self._end) is not None
 
     @property
     def open_tag(self) -> str | None:
@@ -114,6 +137,8 @@ class AnswerGrammar:
 
     def __init__(self, tokenizer):
         self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+        self._newlines = [i for i, text in enumerate(self._texts) if "\n" in text and not text.strip()]
+        self._lt = self._texts.index(SUBMIT[0])  # the `<` that opens `<submit>`
         # (rule, its state) -> (ids as a tensor, the same as a set); a handful of states, each computed once
         self._banned: dict[tuple[str, str | None], tuple[torch.Tensor, frozenset[int]]] = {}
 
@@ -135,6 +160,8 @@ class AnswerGrammar:
         if not line.on_answer:
             return None
         state = line.open_tag
+        if state is not None and line.glued_tag:  # "Result = Toaster<": `submit>` only (not "Toaster<1><submit>")
+            return self._ban(("glued", state), lambda text: not _spells_submit("<" + state + text))
         tag = "" if state is None else "<" + state
         return self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
 
@@ -147,10 +174,16 @@ class AnswerGrammar:
         return self._banned[key]
 
     def mask(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
-        """One position's logits with the tokens the line cannot take at -inf (the logits themselves when none)."""
+        """One position's logits with the tokens the line cannot take at -inf (the logits themselves when none).
+        Where the answer line can end, the newlines' probability goes to the `<` of `<submit>`: a newline is how
+        the model ends a line, and the format ends the answer's line with `<submit>`."""
         banned = self.banned(line)
         if banned is None:
             return logits
         out = logits.clone()
+        if line.can_end:
+            import torch
+
+            out[self._lt] = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
         out[banned[0]] = float("-inf")
         return out

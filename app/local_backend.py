@@ -114,22 +114,15 @@ class LocalBackend:
 
     def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
                 line: AnswerLine) -> list[int]:
-        """The new tokens: the drafts the model agrees with, then the model's own next token, none of them one
-        the answer line cannot take (app.answer_line)."""
+        """The new tokens: the drafts the model agrees with, then the model's own next token, each chosen from the
+        logits as the answer line's grammar masks them (app.answer_line), so drafts never change what is chosen."""
         grammar = self.loaded.answer_grammar
         if not drafts:
             return [next_token(grammar.mask(logits[-1], line), settings.temperature, settings.top_p, generator)]
-        greedy = logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
-            accepted += 1
-        tokens = drafts[:accepted] + [greedy[accepted]]
-        # A draft may open the answer line mid-step: the first token the line cannot take is replaced by the masked
-        # argmax there (where the argmax is allowed, masking does not change it), and the tokens after it dropped.
-        ahead = line.copy()
-        for i, token in enumerate(tokens):
-            banned = grammar.banned(ahead)
-            if banned is not None and token in banned[1]:
-                return tokens[:i] + [int(grammar.mask(logits[i], ahead).argmax())]
-            ahead.push(grammar.text(token))
+        ahead, tokens = line.copy(), []
+        for i in range(len(drafts) + 1):
+            tokens.append(int(grammar.mask(logits[i], ahead).argmax()))
+            if i == len(drafts) or tokens[-1] != drafts[i]:
+                return tokens
+            ahead.push(grammar.text(tokens[-1]))
         return tokens

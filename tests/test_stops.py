@@ -113,27 +113,25 @@ def test_next_question_streams_no_text_that_is_dropped(tiny_llama, tokenizer):
 
 
 @pytest.mark.parametrize("before", ["", "<request><Calculator>2+3<call>"])
-def test_the_answer_line_cannot_end_in_a_newline(tiny_llama, tokenizer, before):
-    # Regression (benchmarks/answer_quality.py): "Result = Goodbye!" then "\nQ: ..." instead of <submit>. The
-    # newline the model would write is masked; it writes something else on the line, then the planned <submit>.
+def test_a_newline_on_the_answer_line_ends_it_with_submit(tiny_llama, tokenizer, before):
+    # Regression (benchmarks/answer_quality.py): "Result = Goodbye!" then "\nQ: ..." instead of <submit>; then,
+    # with the newline masked, "Result = Thanks, I'm glad you helped me. I'm glad you helped me. ..." until the
+    # repetition stop. The newline the model writes becomes the `<` of <submit>, which the line then spells
+    # (the tiny model's own next tokens are anything but "submit>").
     answer = "Result = 5"
     plan = plan_text(tokenizer, (0, before))
     if before:
         plan.update(plan_text(tokenizer, (len(plan), "\n" + answer)))
     else:
         plan.update(plan_text(tokenizer, (0, answer)))
-    newline = len(plan)
-    plan.update(plan_text(tokenizer, (newline, "\nQ: next"), (newline + 1, "<submit>")))
-    loaded = forced(tiny_llama, plan)
-    engine = Engine(loaded, prompt=PROMPT)
+    plan.update(plan_text(tokenizer, (len(plan), "\nQ: next")))
+    engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
     session = prime(engine)
     episode = engine.ask(session, "What is 2+3?", Settings(max_new_tokens=40))
     last = episode.segments[-1]
     assert (last.stop.reason, last.stop.string) == (StopReason.STRING_MATCH, "<submit>"), last
-    assert last.text.lstrip("\n").startswith(answer) and "\n" not in last.text.lstrip("\n")
+    assert last.text.lstrip("\n") == answer + "<submit>" and episode.answer == answer
     assert len(episode.segments) == (3 if before else 1)
-    answer_ids = session.cache.ids[last.start:last.end]
-    assert not any("\n" in tokenizer.decode([t]) for t in answer_ids[1 if before else 0:])
 
 
 def choose(loaded, tokenizer, line: str, drafted: list[str], best: str,
@@ -143,7 +141,7 @@ def choose(loaded, tokenizer, line: str, drafted: list[str], best: str,
     from app.answer_line import AnswerLine
     from app.local_backend import LocalBackend
 
-    ids = {text: encode(tokenizer, text)[0] for text in {*drafted, best, second}}
+    ids = {text: encode(tokenizer, text)[0] for text in {*drafted, best, second, "<"}}
     drafts = [ids[t] for t in drafted]
     wanted = drafts + [ids[best]]  # the model's greedy choice at each position
     logits = torch.zeros(len(wanted), len(tokenizer))
@@ -156,14 +154,18 @@ def choose(loaded, tokenizer, line: str, drafted: list[str], best: str,
 
 
 @pytest.mark.parametrize("line, drafted, expected", [
-    ("Result = 5", [], []),  # one token, no drafts: the newline is masked before it is chosen
-    ("Result = 5", ["\n", "Q", ":"], []),  # an accepted draft newline is replaced, the drafts after it dropped
-    ("", ["Result", " =", " 5", "\n", "Q"], ["Result", " =", " 5"]),  # the line opens inside the drafts
+    ("Result = 5", [], []),  # one token, no drafts: the newline becomes the `<` of <submit>
+    ("Result = 5", ["\n", "Q", ":"], []),  # a draft newline is not accepted, the drafts after it dropped
+    ("", ["Result", " =", " ", "5", "\n", "Q"], ["Result", " =", " ", "5"]),  # the line opens inside the drafts
+    ("Result =", [], None),  # no answer on the line yet: nothing to end (the newline is masked: "!")
     ("The sum is 5", ["\n", "Q"], None),  # no answer line: the newline stays
 ])
 def test_drafts_never_put_a_newline_on_the_answer_line(tiny_llama, tokenizer, line, drafted, expected):
     chosen, wanted, ids = choose(tiny_llama, tokenizer, line, drafted, best="\n", second="!")
-    assert chosen == (wanted if expected is None else [ids[t] for t in expected] + [ids["!"]])
+    if line == "Result =":
+        assert chosen == [ids["!"]]
+    else:
+        assert chosen == (wanted if expected is None else [ids[t] for t in expected] + [ids["<"]])
 
 
 def test_the_answer_line_never_writes_response(tiny_llama, tokenizer):
@@ -187,6 +189,33 @@ def test_on_the_answer_line_a_tag_can_only_be_submit(tiny_llama, tokenizer, line
     <submit>. The model prefers "response" after the drafts; its second best is "submit"."""
     chosen, wanted, ids = choose(tiny_llama, tokenizer, line, drafted, best="response", second="submit")
     assert chosen == (wanted if expected is None else [ids[t] for t in expected] + [ids["submit"]])
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("Result = toaster: Toaster<", "submit"),  # right after the answer's text, a `<` goes on to `<submit>` only
+    ("Result = 3 <", "1"),  # after a space it is a sign ("3 < 5"), free
+    ("Result = 5<submit", ">"),  # and `<submit` closes with `>`
+])
+def test_a_lt_glued_to_the_answer_can_only_spell_submit(tiny_llama, tokenizer, line, expected):
+    """Regression (answer_quality.py --set wide, with the newline's probability on `<`): "Result = toaster:
+    Toaster<1><submit>". The model prefers "1" after the `<`; its second best is "submit" (or ">")."""
+    second = ">" if line.endswith("submit") else "submit"
+    chosen, _, ids = choose(tiny_llama, tokenizer, line, [], best="1", second=second)
+    assert chosen == [ids[expected]]
+
+
+@pytest.mark.parametrize("pushed, can_end, glued", [
+    (["Result = 5"], True, False), (["Result ="], False, False), (["Result = "], False, False),
+    (["Result = Hi!<"], False, True), (["Result = Hi!<sub"], False, True), (["Result = 3 <"], False, False),
+    (["Q: x"], False, False), (["Result = 5\n"], False, False), (["Result = 5", "\nResult = 6"], True, False),
+])
+def test_where_the_answer_line_can_end(pushed, can_end, glued):
+    from app.answer_line import AnswerLine
+
+    line = AnswerLine()
+    for delta in pushed:
+        line.push(delta)
+    assert (line.can_end, line.glued_tag) == (can_end, glued)
 
 
 @pytest.mark.parametrize("text, breaks", [
