@@ -66,7 +66,7 @@ def split_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """split_rows with the parts' integer values left in float32, as the exact kernel reads them."""
     scale = _row_scale(x, ACT_MAX)
     scaled = x / scale
-    high = _round_(scaled + 0)
+    high = _round_(scaled.clone())
     low = _round_(scaled.sub_(high).mul_(FINE))
     return torch.cat([high, low]), scale
 
@@ -99,8 +99,8 @@ class ExactWeight:
     activations, and sums in int32. It picks one scale per call from its input's smallest and largest value; a
     calibration row holding the ends of the 7-bit range (-64, 63) makes that scale 1 and the zero point 64, so
     every part's integer value passes unchanged, whoever shares the call, and with the weight's scale 1 the
-    result is the int32 sum as a float. On an AVX2 EPYC it took 0.80-0.85x fp16-held weights' decode step and
-    0.7-0.8x their prefill (a scratch A/B in one process), on half their bytes.
+    result is the int32 sum as a float. Against the fp16-held weights it replaced, on an AVX2 EPYC: half the
+    bytes, a 1,000-token prefill 3.03 against 4.27 s, decode within noise (benchmarks/decode_bench.py, README).
 
     Else float32 (W·xᵀ, `_float_mm`): every product is an integer of magnitude below 63 * 127, and every partial
     sum of at most EXACT_SPAN of them stays below 2**24, where float32 adds integers exactly in any order, so no
