@@ -139,8 +139,8 @@ class AnswerGrammar:
         self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         self._newlines = [i for i, text in enumerate(self._texts) if "\n" in text and not text.strip()]
         self._lt = self._texts.index(SUBMIT[0])  # the `<` that opens `<submit>`
-        # (rule, its state) -> (ids as a tensor, the same as a set); a handful of states, each computed once
-        self._banned: dict[tuple[str, str | None], tuple[torch.Tensor, frozenset[int]]] = {}
+        # (rule, its state) -> the ids it bans; a handful of states, each computed once
+        self._banned: dict[tuple[str, str | None], torch.Tensor] = {}
 
     def text(self, token: int) -> str:
         """A token's text, as decoded once here (no tokenizer call, so no lock)."""
@@ -151,9 +151,9 @@ class AnswerGrammar:
         with the tools' `<response>` marker."""
         return "".join(self._texts[i] for i in ids[-len(RESPONSE):]).endswith(RESPONSE)
 
-    def banned(self, line: AnswerLine) -> tuple[torch.Tensor, frozenset[int]] | None:
-        """(ids as a tensor, the same as a set) of the tokens the line cannot take next; None off the answer line
-        (and not right after a tool's output)."""
+    def banned(self, line: AnswerLine) -> torch.Tensor | None:
+        """The ids of the tokens the line cannot take next; None off the answer line (and not right after a tool's
+        output)."""
         if line.head is not None:
             head = line.head
             return self._ban(("after tool", head), lambda text: not opens_well(head + text))
@@ -165,12 +165,11 @@ class AnswerGrammar:
         tag = "" if state is None else "<" + state
         return self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
 
-    def _ban(self, key: tuple[str, str | None], bans) -> tuple[torch.Tensor, frozenset[int]]:
+    def _ban(self, key: tuple[str, str | None], bans) -> torch.Tensor:
         if key not in self._banned:
             import torch
 
-            ids = [i for i, text in enumerate(self._texts) if bans(text)]
-            self._banned[key] = (torch.tensor(ids, dtype=torch.long), frozenset(ids))
+            self._banned[key] = torch.tensor([i for i, text in enumerate(self._texts) if bans(text)], dtype=torch.long)
         return self._banned[key]
 
     def mask(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
@@ -185,5 +184,5 @@ class AnswerGrammar:
             import torch
 
             out[self._lt] = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
-        out[banned[0]] = float("-inf")
+        out[banned] = float("-inf")
         return out

@@ -123,6 +123,6 @@ class LocalBackend:
         for i in range(len(drafts) + 1):
             tokens.append(int(grammar.mask(logits[i], ahead).argmax()))
             if i == len(drafts) or tokens[-1] != drafts[i]:
-                return tokens
+                break
             ahead.push(grammar.text(tokens[-1]))
         return tokens
