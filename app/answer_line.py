@@ -11,7 +11,10 @@ Where the model would end the answer's line (a newline, once the line holds some
 format ends it: the newlines' probability goes to the `<` of `<submit>`, and a `<` right after the answer's text
 can only go on to spell `<submit>`. Masking the newline alone left the model to go on writing after the answer it
 meant to end, and it sometimes looped ("Result = Thanks, I'm glad you helped me. I'm glad you helped me. ..."
-until the repetition stop), or wrote past the definition it had copied.
+until the repetition stop), or wrote past the definition it had copied. While a bracket the answer opened is
+still open, that ending probability goes to `)` instead, and the line cannot end yet: a definition copied from a
+tool's output ended "... (which may or may not actually take place<submit>", one `)` short (the model put 0.50
+on `<` and 0.40 on `)` and `)<` together).
 
 After a tool's output the model's next line opens its answer or another call (`Result =` or `<request>`, after
 at most one newline): a small model sometimes wrote the next example's "\nQ:" right after the `<response>`
@@ -84,6 +87,7 @@ class AnswerLine:
         self._prefix = prefix
         self._opening = ""  # the line's first characters: whether it is the answer line
         self._end = ""  # its last characters: an open `<tag`
+        self._brackets = 0  # round brackets the line has opened and not closed
         # after a tool's output: the segment's text until it opens the answer or a call (None: no such rule now)
         self._head: str | None = "" if after_tool else None
 
@@ -104,6 +108,11 @@ class AnswerLine:
         return self.on_answer and bool(self._opening.lstrip()[len(self._prefix):].strip()) and self.open_tag is None
 
     @property
+    def owes_bracket(self) -> bool:
+        """Whether the line has opened a round bracket it has not closed: an answer does not end there."""
+        return self._brackets > 0
+
+    @property
     def glued_tag(self) -> bool:
         """Whether the line ends with an open `<tag` written right after its text (no space before the `<`)."""
         return _GLUED.search(self._end) is not None
@@ -117,6 +126,7 @@ class AnswerLine:
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
         other._opening, other._end, other._head = self._opening, self._end, self._head
+        other._brackets = self._brackets
         return other
 
     def push(self, delta: str) -> None:
@@ -126,7 +136,11 @@ class AnswerLine:
                 self._head = None  # opened: the answer line's own rules (or none, in a call) from here
         if "\n" in delta:
             self._opening = self._end = ""
+            self._brackets = 0
             delta = delta.rsplit("\n", 1)[-1]
+        for char in delta:  # (a `)` with none open closes nothing: "Result = :)")
+            if char in "()":
+                self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)
         self._opening = (self._opening + delta)[: len(self._prefix) + 8]
         self._end = (self._end + delta)[-len(SUBMIT):]  # long enough for an open `<submit`
 
@@ -139,6 +153,7 @@ class AnswerGrammar:
         self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         self._newlines = [i for i, text in enumerate(self._texts) if "\n" in text and not text.strip()]
         self._lt = self._texts.index(SUBMIT[0])  # the `<` that opens `<submit>`
+        self._close = self._texts.index(")")
         # (rule, its state) -> the ids it bans; a handful of states, each computed once
         self._banned: dict[tuple[str, str | None], torch.Tensor] = {}
 
@@ -175,7 +190,8 @@ class AnswerGrammar:
     def mask(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
         """One position's logits with the tokens the line cannot take at -inf (the logits themselves when none).
         Where the answer line can end, the newlines' probability goes to the `<` of `<submit>`: a newline is how
-        the model ends a line, and the format ends the answer's line with `<submit>`."""
+        the model ends a line, and the format ends the answer's line with `<submit>`; while a bracket is open,
+        that probability goes to `)` instead, and the `<` too."""
         banned = self.banned(line)
         if banned is None:
             return logits
@@ -183,6 +199,9 @@ class AnswerGrammar:
         if line.can_end:
             import torch
 
-            out[self._lt] = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
+            ending = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
+            if line.owes_bracket:
+                out[self._close], ending = torch.logaddexp(out[self._close], ending), float("-inf")
+            out[self._lt] = ending
         out[banned] = float("-inf")
         return out

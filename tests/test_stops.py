@@ -204,6 +204,33 @@ def test_a_lt_glued_to_the_answer_can_only_spell_submit(tiny_llama, tokenizer, l
     assert chosen == [ids[expected]]
 
 
+@pytest.mark.parametrize("line, expected", [
+    ("Result = a release (which may take place", ")"),  # the ending's probability goes to `)`, which closes it
+    ("Result = a release (which may) take place", "<"),  # closed: the line may end
+    ("Result = a (b) (c", ")"),
+])
+def test_an_answer_does_not_end_inside_an_open_bracket(tiny_llama, tokenizer, line, expected):
+    """Regression (answer_quality.py, a test-set look-up): "Result = vaporware: Products announced far in advance
+    of any release (which may or may not actually take place<submit>", one `)` short: the model put 0.50 on `<`
+    and 0.40 on `)` and `)<`. Here it prefers `<`, then `)`."""
+    chosen, _, ids = choose(tiny_llama, tokenizer, line, [], best="<", second=")")
+    assert chosen == [encode(tokenizer, expected)[0]]
+
+
+@pytest.mark.parametrize("pushed, owes", [
+    (["Result = a (b"], True), (["Result = a (b", ")"], False), (["Result = (a", "\n", "Result = b"], False),
+    (["Result = a) (b"], True), (["Result = ((a)"], True), (["Result = :)"], False),
+])
+def test_the_answer_line_counts_its_open_brackets(pushed, owes):
+    from app.answer_line import AnswerLine
+
+    line = AnswerLine()
+    for delta in pushed:
+        line.push(delta)
+    assert line.owes_bracket is owes
+    assert line.copy().owes_bracket is owes
+
+
 @pytest.mark.parametrize("pushed, can_end, glued", [
     (["Result = 5"], True, False), (["Result ="], False, False), (["Result = "], False, False),
     (["Result = Hi!<"], False, True), (["Result = Hi!<sub"], False, True), (["Result = 3 <"], False, False),
