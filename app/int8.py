@@ -24,6 +24,7 @@ import functools
 import logging
 import time
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -201,27 +202,24 @@ class Int8Linear(nn.Module):
 class Int8MLP(nn.Module):
     """A gated MLP with gate and up projections in one matmul (one activation quantization, one kernel)."""
 
-    def __init__(self, mlp: nn.Module, exact: bool = False):
+    def __init__(self, gate_up: Int8Linear, down_proj: Int8Linear, act_fn: nn.Module):
         super().__init__()
-        self.gate_up = Int8Linear.fused(mlp.gate_proj, mlp.up_proj, exact=exact)
-        self.down_proj = Int8Linear.from_float(mlp.down_proj.weight, mlp.down_proj.bias, exact)
-        self.act_fn = mlp.act_fn
+        self.gate_up, self.down_proj, self.act_fn = gate_up, down_proj, act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def _fuse_attention(attn: nn.Module, exact: bool) -> None:
+def _fuse_attention(attn: nn.Module, qkv: Int8Linear, o_proj: Int8Linear) -> None:
     """q/k/v as one int8 matmul (`attn.qkv_proj`, what the ragged pass calls) and as three views of it (what
     transformers' own forward calls): both compute the same numbers."""
     parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    attn.qkv_proj = Int8Linear.fused(*parts, exact=exact)
-    at = 0
+    attn.qkv_proj, at = qkv, 0
     for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-        setattr(attn, name, attn.qkv_proj.rows(at, at + part.out_features))
+        setattr(attn, name, qkv.rows(at, at + part.out_features))
         at += part.out_features
-    attn.o_proj = Int8Linear.from_float(attn.o_proj.weight, attn.o_proj.bias, exact)
+    attn.o_proj = o_proj
 
 
 @functools.cache
@@ -254,10 +252,11 @@ def int8_matmul_is_fast() -> bool:
 
 
 @torch.no_grad()
-def to_int8(model: nn.Module, exact: bool | None = None) -> None:
+def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None) -> None:
     """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on float
     hardware (ExactWeight: the same bits as torch._int_mm); None: where int8 matmuls are slow on this CPU and
-    every layer's rows are short enough for it."""
+    every layer's rows are short enough for it. `saved`: int8_state() of this model's conversion, taken
+    instead of quantizing again where it holds a layer (quantizing is ~0.5 s of a ~2 s load)."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
     if exact is None:
@@ -267,13 +266,42 @@ def to_int8(model: nn.Module, exact: bool | None = None) -> None:
         if exact:
             log.info("torch's int8 matmul is slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
                      "fbgemm" if fbgemm_int8() else "float32")
-    for layer in model.model.layers:
-        _fuse_attention(layer.self_attn, exact)
-        layer.mlp = Int8MLP(layer.mlp, exact)
-    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, exact)
+
+    def int8(name: str, *linears: nn.Module) -> Int8Linear:
+        weight, scale, bias = (None if saved is None else saved.get(f"{name}.{key}") for key in INT8_KEYS)
+        out = sum(linear.out_features for linear in linears)
+        if weight is not None and weight.shape == (out, linears[0].in_features) and weight.dtype == torch.int8 \
+                and scale is not None and scale.shape == (out,) and (bias is None) == (linears[0].bias is None):
+            return Int8Linear(weight, scale, bias, exact)
+        return Int8Linear.fused(*linears, exact=exact)
+
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp, at = layer.self_attn, layer.mlp, f"model.layers.{i}"
+        _fuse_attention(attn, int8(f"{at}.self_attn.qkv_proj", attn.q_proj, attn.k_proj, attn.v_proj),
+                        int8(f"{at}.self_attn.o_proj", attn.o_proj))
+        layer.mlp = Int8MLP(int8(f"{at}.mlp.gate_up", mlp.gate_proj, mlp.up_proj),
+                            int8(f"{at}.mlp.down_proj", mlp.down_proj), mlp.act_fn)
+    model.lm_head = int8("lm_head", model.lm_head)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
     if exact:
         _prepare_exact(model)
+
+
+INT8_KEYS = ("weight", "scale", "bias")
+SAVED_INT8 = "int8-weights-v1.safetensors"  # int8_state()'s file (app.model); a new name when quantize_rows changes
+
+
+def _own_layers(model: nn.Module) -> dict[str, Int8Linear]:
+    """The converted model's int8 layers by name, less the q/k/v views (slices of qkv_proj's memory)."""
+    views = {id(part) for layer in model.model.layers
+             for part in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, Int8Linear) and id(m) not in views}
+
+
+def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What to_int8(saved=...) reads back: each int8 layer's weight, scales and bias, by the layer's name."""
+    return {f"{name}.{key}": getattr(layer, key) for name, layer in _own_layers(model).items()
+            for key in INT8_KEYS if getattr(layer, key) is not None}
 
 
 def _prepare_exact(model: nn.Module) -> None:
@@ -282,8 +310,6 @@ def _prepare_exact(model: nn.Module) -> None:
     are held on first use."""
     from concurrent.futures import ThreadPoolExecutor
 
-    views = {id(part) for layer in model.model.layers
-             for part in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)}
-    weights = [m.exact for m in model.modules() if isinstance(m, Int8Linear) and id(m) not in views]
+    weights = [layer.exact for layer in _own_layers(model).values()]
     with ThreadPoolExecutor(2, thread_name_prefix="int8-prepare") as pool:
         list(pool.map(ExactWeight.prepare, weights))

@@ -5,13 +5,16 @@ from __future__ import annotations
 import pytest
 
 from app.engine import Engine, Settings
+from app.int8 import SAVED_INT8
 from app.model import _converted_dir, load_model, model_source
 
 
 def test_bundled_default_and_its_converted_cache(real):
     model_id, gguf_file = model_source()
     assert gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert (_converted_dir(model_id, gguf_file) / "model.safetensors").exists()
+    folder = _converted_dir(model_id, gguf_file)
+    assert (folder / "model.safetensors").exists()
+    assert real.weights != "int8" or (folder / SAVED_INT8).exists()  # int8: quantized at the first start only
     assert real.eos_ids == frozenset({2}) and real.kv_bytes_per_token == 46_080
 
 
