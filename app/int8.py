@@ -256,7 +256,7 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
     """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on float
     hardware (ExactWeight: the same bits as torch._int_mm); None: where int8 matmuls are slow on this CPU and
     every layer's rows are short enough for it. `saved`: int8_state() of this model's conversion, taken
-    instead of quantizing again where it holds a layer (quantizing is ~0.5 s of a ~2 s load)."""
+    instead of quantizing again where it holds a layer (app.model keeps it beside the converted weights)."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
     if exact is None:
