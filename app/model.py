@@ -174,16 +174,18 @@ def _int8(model, folder: Path | None) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load, save_file
 
-    path = None if folder is None else folder / SAVED_INT8
-    saved = None
-    if path is not None and path.exists():
+    if folder is None:  # (a model from a hub id or folder: converted at every start)
+        to_int8(model)
+        return
+    path, saved = folder / SAVED_INT8, None
+    if path.exists():
         try:
             saved = load(path.read_bytes())  # (a copy: tensors mapped from the file would fault if it were cut)
         except (OSError, SafetensorError) as error:  # (a torn or foreign file: quantize again, replace it)
             log.warning("ignoring unreadable int8 weights %s: %s", path, error)
     to_int8(model, saved=saved)
     state = int8_state(model)
-    if path is None or (saved is not None and all(saved.get(key) is value for key, value in state.items())):
+    if saved is not None and all(saved.get(key) is value for key, value in state.items()):
         return  # (every layer came from the file)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
