@@ -60,7 +60,7 @@ def test_the_exact_kernel_gives_int_mm_bits(inner, values, fbgemm, rows):
     """The kernel for CPUs without fast int8 matmuls is the same function, bit for bit, in fbgemm and in float32
     (up to EXACT_SPAN), for few and many rows (each kernel takes other paths for them). "extreme" puts every sum
     at its largest (63 * 127 * inner), and every pair of products at the 16-bit edge where an 8-bit activation
-    would saturate fbgemm's kernel; rows of equal parts leave fbgemm's per-call scale to the calibration row."""
+    would saturate fbgemm's kernel (the parts reach it as unsigned bytes v + 64), and rows of equal parts."""
     if not fbgemm and inner > EXACT_SPAN:
         pytest.skip("float32 sums are exact up to EXACT_SPAN products")
     gen = torch.Generator().manual_seed(inner)
