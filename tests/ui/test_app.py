@@ -154,6 +154,18 @@ def test_two_browser_contexts_see_only_their_own_chats_and_new_chat_clears(open_
     expect(two.locator("#stats")).to_contain_text("Server: 1 session,")
 
 
+def test_the_chats_trash_icon_starts_a_new_chat(open_page):
+    """Regression: the Chatbot's own trash icon emptied the view only; the next answer showed the "cleared" turns
+    again (the session still held them) and the stats panel kept counting them."""
+    page = open_page()
+    send(page, "What is 17 * 23?")
+    page.locator("#chat button[aria-label*='Clear' i], #chat button[title*='Clear' i]").first.click()
+    expect(page.locator("#status")).to_have_text(re.compile(r"^\s*new chat\s*$"), timeout=TURN_MS)
+    send(page, "What is 2 + 3?")
+    texts = " ".join(m.inner_text() for m in user_messages(page).all())
+    assert "2 + 3" in texts and "17 * 23" not in texts
+
+
 def test_stop_cancels_generation(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 400)
