@@ -15,6 +15,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,26 +54,35 @@ def idle_timeout_from_env(default_s: float = 3600) -> float:
 @dataclass
 class StopSignal:
     """One Stop button. The page takes a ticket when it submits work; a Stop pressed after that cancels the work
-    between two tokens if it runs, or at once when it starts if it was still waiting in the queue."""
+    between two tokens if it runs, or at once when it starts if it was still waiting in the queue.
 
-    event: threading.Event = field(default_factory=threading.Event)
+    Each piece of work watches an Event of its own (`begin`), which a press sets. Regression: with one Event for
+    the button, the next piece of work cleared it when it started, so a message sent right after Stop, while the
+    stopped turn was still in a long prefill, let that turn run on to its end."""
+
     presses: int = 0
+    _running: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)  # begun Events, until dropped
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def press(self) -> None:
-        self.presses += 1
-        self.event.set()
+        with self._lock:
+            self.presses += 1
+            running = list(self._running)
+        for event in running:
+            event.set()
 
     def ticket(self) -> int:
         return self.presses
 
     def begin(self, ticket: int | None) -> threading.Event:
         """Start work submitted with `ticket` (None: not from the page, e.g. the API); return the Event it
-        watches, already set when Stop was pressed since the ticket was taken."""
-        if ticket is not None and self.presses > ticket:
-            self.event.set()
-        else:
-            self.event.clear()
-        return self.event
+        watches: set by the next press, and already set when Stop was pressed since the ticket was taken."""
+        event = threading.Event()
+        with self._lock:
+            if ticket is not None and self.presses > ticket:
+                event.set()
+            self._running.add(event)
+        return event
 
 
 @dataclass
@@ -88,6 +98,9 @@ class Entry:
     waiting: dict[int, str] = field(default_factory=dict)  # sent messages whose turn has not started, by number
     unanswered: set[int] = field(default_factory=set)  # sent messages whose turn has not ended (waiting or running)
     sent: Iterator[int] = field(default_factory=itertools.count)  # numbers them
+    # one chat turn's handler at a time, start to last update: each turn's final status ("done · 1 more message
+    # to answer") reaches the page before the next turn's updates, never after them
+    turn_order: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_used: float = field(default_factory=time.monotonic)
 
     def stop_everything(self) -> None:

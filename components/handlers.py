@@ -183,7 +183,12 @@ class ChatService:
         Stop ticket taken when the page submitted it, `sent`: its number among the waiting messages (submit)."""
         key = request.session_hash
         entry = self.store.get(key)
-        message = message or ""
+        with entry.turn_order:  # (a turn of this visitor's that is still running ends first)
+            yield from self._chat(entry, key, message or "", ticket, sent, use_cache, max_length, max_new_tokens,
+                                  max_turns, temperature, tools, prompt)
+
+    def _chat(self, entry, key: str, message: str, ticket: int | None, sent: int | None, use_cache, max_length,
+              max_new_tokens, max_turns, temperature, tools, prompt) -> Iterator[tuple]:
         cancel = entry.chat_stop.begin(ticket)
 
         def view(status, textbox=None, partial=None, full=False):

@@ -486,6 +486,29 @@ def test_a_turn_that_ends_while_the_next_one_already_runs_does_not_say_done(tiny
                                   default_prompt_template(), request()))[-1][2] == "done"
 
 
+def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tiny_llama):
+    """Regression (seen in Chromium): Stop with a second message waiting; both turns stopped, but the first turn's
+    final "done · 1 more message to answer" reached the page after the second's "done" and stayed there. A
+    visitor's turn handlers now run one after another, each to its last update."""
+    import threading
+
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    settings = (True, 4096, 30, 4, 0, ["Calculator", "Search"], default_prompt_template(), request())
+    first = service.chat_page(service.submit("first", [], request())[1], *settings)
+    next(first), next(first)
+    _, second, _ = service.submit("second", [], request())
+    service.stop(request())  # Stop: both turns are cancelled
+    order: list[str] = []
+    runner = threading.Thread(target=lambda: order.extend(o[2] for o in service.chat_page(second, *settings)))
+    runner.start()
+    runner.join(0.5)
+    assert order == []  # the second waits while the first has updates left
+    *_, last = first
+    order.insert(0, last[2])
+    runner.join(30)
+    assert order[0] == "done · 1 more message to answer" and order[-1] == "stopped: the message was not sent"
+
+
 def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     """Regression: a message sent while another turn ran vanished from the box and did not appear in the chat
     until its own turn started; the running turn's updates now show it too, as waiting."""

@@ -139,7 +139,7 @@ def test_one_turn_always_runs_and_a_stopped_one_does_not_wait():
 
 def test_the_sweeper_deletes_idle_sessions_without_any_visitor():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=0.05)
-    cancel = store.get("idle").chat_stop.event
+    cancel = store.get("idle").chat_stop.begin(None)  # work running for it
     stop = store.start_sweeper(every_s=0.02)
     try:
         deadline = time.monotonic() + 5
@@ -153,20 +153,33 @@ def test_the_sweeper_deletes_idle_sessions_without_any_visitor():
 def test_a_stop_cancels_work_submitted_before_it_running_or_queued():
     signal = StopSignal()
     first, second = signal.ticket(), signal.ticket()  # two messages submitted
-    assert not signal.begin(first).is_set()  # the first starts
+    running = signal.begin(first)  # the first starts
+    assert not running.is_set()
     signal.press()  # Stop while it runs (the second still waits in the queue)
-    assert signal.event.is_set()
+    assert running.is_set()
     assert signal.begin(second).is_set()  # the second starts already cancelled
     assert not signal.begin(signal.ticket()).is_set()  # work submitted after the Stop runs
     signal.press()
     assert not signal.begin(None).is_set()  # work that took no ticket (API) starts clear
 
 
+def test_work_starting_after_a_stop_leaves_the_stopped_work_stopped():
+    """Regression: one Event per button, cleared by the next start: a message sent right after Stop, while the
+    stopped turn was still in a long prefill (no token check yet), made that turn run on to its end."""
+    signal = StopSignal()
+    running = signal.begin(signal.ticket())
+    signal.press()
+    later = signal.begin(signal.ticket())  # sent after the Stop: it runs
+    assert running.is_set() and not later.is_set()
+    signal.press()
+    assert later.is_set()
+
+
 def test_idle_sessions_are_deleted_and_cancelled():
     clock = Clock()
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60, clock=clock)
     filled(store, {"old": 1, "new": 1})
-    old_cancel = store.peek("old").batch_stop.event
+    old_cancel = store.peek("old").batch_stop.begin(None)
     clock.now += 40
     store.get("new")
     clock.now += 30  # old idle 70 s, new idle 30 s
@@ -181,7 +194,7 @@ def test_idle_sessions_are_deleted_and_cancelled():
 def test_unload_removes_and_cancels():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
     filled(store, {"a": 10})
-    cancel = store.peek("a").chat_stop.event
+    cancel = store.peek("a").chat_stop.begin(None)
     assert store.remove("a") is True
     assert cancel.is_set() and "a" not in store
     assert store.remove("a") is False
@@ -192,20 +205,23 @@ def test_reset_clears_the_chat_but_keeps_the_entry():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
     filled(store, {"a": 10})
     entry = store.peek("a")
+    batch = entry.batch_stop.begin(None)
     entry.notes.append("note")
     entry.engine_key = ("Calculator",)
     assert store.reset("a") is entry
     assert entry.session is None and entry.engine_key is None and entry.notes == []
-    assert not entry.batch_stop.event.is_set()  # a batch running for this visitor goes on
+    assert not batch.is_set()  # a batch running for this visitor goes on
 
 
 def test_cancel_sets_the_event_of_that_session_only():
     store = SessionStore(budget_bytes=MB, idle_timeout_s=60)
     a, b = store.get("a"), store.get("b")
+    work = {(key, lane): getattr(entry, f"{lane}_stop").begin(None) for key, entry in (("a", a), ("b", b))
+            for lane in ("chat", "batch")}
     assert store.cancel("a") is True
-    assert a.chat_stop.event.is_set() and not b.chat_stop.event.is_set()
-    assert not a.batch_stop.event.is_set()  # each Stop button has its own signal
-    assert store.cancel("b", "batch") is True and b.batch_stop.event.is_set() and not b.chat_stop.event.is_set()
+    assert work["a", "chat"].is_set() and not work["b", "chat"].is_set()
+    assert not work["a", "batch"].is_set()  # each Stop button has its own signal
+    assert store.cancel("b", "batch") is True and work["b", "batch"].is_set() and not work["b", "chat"].is_set()
     assert store.cancel("missing") is False and "missing" not in store
 
 
