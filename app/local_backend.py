@@ -16,6 +16,7 @@ from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReaso
 from app.kvcache import TokenCache
 from app.model import LoadedModel
 from app.protocol import STOP_STRINGS
+from app.scheduler import Cancelled
 
 if TYPE_CHECKING:
     from app.engine import Settings
@@ -77,7 +78,14 @@ class LocalBackend:
                 drafts = lookup.propose(min(draft_len, room, share)) if lookup and generated else []
                 cache.extend(drafts)
                 # one step of the scheduler's batched pass, beside every other session's rows
-                logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1)
+                try:
+                    logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1, cancel=cancel)
+                except Cancelled as stopped:  # Stop during a long prefill: it ends between two chunks
+                    cache.truncate(base)
+                    if generated == 0:
+                        run.prefill_tokens, run.cached_tokens = stopped.fed, stopped.reused
+                    run.stop, fail = Stop(StopReason.CANCELLED), None
+                    break
                 if generated == 0:
                     run.prefill_tokens, run.cached_tokens = fed, hit
                 tokens = self._choose(logits, drafts, settings, generator, line)

@@ -32,10 +32,21 @@ CHUNK_ALONE = 512  # prefill tokens per step when no row is decoding (bounds a p
 GATHER_S = 0.02  # how long a step waits for rows still choosing their last token (a fraction of a step)
 
 
+class Cancelled(Exception):
+    """A request's cancel was set before its pass was done: a long prefill stops between two chunks (a Stop
+    pressed during an 800-token question beside other rows took 7.6 s, the Batch tab's 20 s). The cache keeps
+    the chunks fed so far (an exact prefix, as after any pass)."""
+
+    def __init__(self, fed: int, reused: int):
+        super().__init__(f"cancelled after {fed} tokens")
+        self.fed, self.reused = fed, reused
+
+
 @dataclass(eq=False)
 class _Request:
     cache: TokenCache
     keep: int
+    cancel: threading.Event | None = None
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -103,10 +114,12 @@ class Scheduler:
         """How many rows are inside a turn now (each will ask for a pass at almost every step)."""
         return self._in_turns
 
-    def forward(self, cache: TokenCache, keep: int = 1) -> tuple[torch.Tensor, int, int]:
+    def forward(self, cache: TokenCache, keep: int = 1,
+                cancel: threading.Event | None = None) -> tuple[torch.Tensor, int, int]:
         """Feed `cache`'s uncached ids in the next steps; return (logits of the last `keep` positions, tokens
-        fed, tokens reused), like TokenCache.forward. The caller owns `cache` and must not touch it meanwhile."""
-        request = _Request(cache, keep)
+        fed, tokens reused), like TokenCache.forward. The caller owns `cache` and must not touch it meanwhile.
+        Raises Cancelled when `cancel` is set before the pass is done (checked before each of its steps)."""
+        request = _Request(cache, keep, cancel)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="model-scheduler", daemon=True)
@@ -158,6 +171,9 @@ class Scheduler:
 
     def _step(self, requests: list[_Request]) -> None:
         for request in requests:
+            if request.cancel is not None and request.cancel.is_set():
+                self._finish(request, error=Cancelled(request.fed, max(0, request.reused)))
+                continue
             if request.reused < 0:
                 try:  # checks the invariant, crops a fully cached sequence
                     request.cache.pending(self.model.config)

@@ -73,7 +73,8 @@ def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
     scheduler = engine.loaded.scheduler
     plain = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40))
     keeps, forward = [], scheduler.forward
-    monkeypatch.setattr(scheduler, "forward", lambda cache, keep=1: (keeps.append(keep), forward(cache, keep))[1])
+    monkeypatch.setattr(scheduler, "forward",
+                        lambda cache, keep=1, cancel=None: (keeps.append(keep), forward(cache, keep, cancel))[1])
     monkeypatch.setattr(scheduler, "rows_in_turns", lambda: 8)
     busy = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40, draft_tokens=8))
     assert busy.token_ids == plain.token_ids

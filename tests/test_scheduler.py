@@ -12,7 +12,8 @@ import torch
 from app.decoding import StopReason
 from app.engine import Engine, EpisodeFinished, Settings, TextDelta
 from app.kvcache import TokenCache
-from app.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Scheduler, plan_step
+from app import scheduler as scheduler_module
+from app.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, Scheduler, plan_step
 from app.tools.registry import Tool, default_tools
 from tests.conftest import logit_tolerance
 
@@ -113,6 +114,46 @@ def test_a_failing_row_fails_alone_and_its_cache_is_rolled_back(tiny_llama, toke
     assert bad.cached == 2  # exactly what it covered before the failed pass
     bad.truncate(3)
     bad.check()
+
+
+def stop_after_first_pass(monkeypatch) -> threading.Event:
+    """An Event that the scheduler's first ragged pass sets once it is done (a Stop during a long prefill)."""
+    cancel, real = threading.Event(), scheduler_module.ragged.ragged_forward
+
+    def forward(model, rows):
+        out = real(model, rows)
+        cancel.set()
+        return out
+
+    monkeypatch.setattr(scheduler_module.ragged, "ragged_forward", forward)
+    return cancel
+
+
+def test_a_cancelled_prefill_stops_between_two_chunks_and_keeps_what_it_fed(tiny_llama, monkeypatch):
+    scheduler = Scheduler(tiny_llama.model)
+    cache = TokenCache([(7 * i) % 500 + 3 for i in range(2 * CHUNK_ALONE + 50)])
+    with pytest.raises(Cancelled) as stopped:
+        scheduler.forward(cache, cancel=stop_after_first_pass(monkeypatch))
+    assert (stopped.value.fed, stopped.value.reused) == (CHUNK_ALONE, 0)
+    assert cache.cached == CHUNK_ALONE
+    cache.check()  # an exact prefix: the next pass goes on from there
+    logits, fed, reused = scheduler.forward(cache)
+    assert (fed, reused) == (len(cache) - CHUNK_ALONE, CHUNK_ALONE)
+    assert torch.allclose(logits, TokenCache(cache.ids).forward(tiny_llama.model)[0], atol=logit_tolerance(tiny_llama))
+
+
+def test_stop_during_a_long_question_ends_the_turn_before_its_prefill_is_done(tiny_llama, monkeypatch):
+    """Regression (Chromium): Stop pressed while a 3,000-character message was prefilled took 7.6 s, the whole
+    prefill; the Batch tab's Stop 20 s. Now the pass stops between two chunks."""
+    engine = Engine(tiny_llama)
+    session = engine.new_session()
+    question = " ".join(f"word{i}" for i in range(CHUNK_ALONE))
+    cancel = stop_after_first_pass(monkeypatch)
+    episode = list(engine.turn(session, question, Settings(max_new_tokens=8), cancel=cancel))[-1].episode
+    (segment,) = episode.segments
+    assert segment.stop.reason is StopReason.CANCELLED and segment.generated_tokens == 0
+    assert segment.prefill_tokens == CHUNK_ALONE < episode.total_tokens - session.prompt_tokens
+    assert session.cache.cached == session.prompt_tokens + CHUNK_ALONE
 
 
 def test_rows_on_a_model_without_the_ragged_pass_still_run_one_by_one(tiny, tokenizer):
