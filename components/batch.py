@@ -33,6 +33,7 @@ class BatchRun:
     episodes: list[Episode]
     seconds: float
     use_cache: bool
+    stopped: bool = False  # Stop pressed during it: some rows ended early, so its time and answers are partial
 
 
 def parse_batch(text: str | None, limit: int = MAX_BATCH) -> list[Item]:
@@ -112,11 +113,19 @@ def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) 
         total, scored = score
         lines.append(f"accuracy: {total:g}/{scored} = {100 * total / scored:.0f}%")
     tokens = count_text(total_or_none(e.prefill_tokens for e in on.episodes))
-    lines.append(f"total time, cache on: {on.seconds:.2f} s ({len(on.episodes)} queries, {tokens} tokens prefilled, "
-                 f"{count_text(total_or_none(e.reused_tokens for e in on.episodes))} reused)")
+    lines.append(f"total time, cache on: {on.seconds:.2f} s{_partial(on)} ({len(on.episodes)} queries, {tokens} "
+                 f"tokens prefilled, {count_text(total_or_none(e.reused_tokens for e in on.episodes))} reused)")
     if off is not None:
-        lines.append(f"total time, cache off: {off.seconds:.2f} s "
+        lines.append(f"total time, cache off: {off.seconds:.2f} s{_partial(off)} "
                      f"({count_text(total_or_none(e.prefill_tokens for e in off.episodes))} tokens prefilled)")
-        speedup = off.seconds / on.seconds if on.seconds > 0 else float("inf")
-        lines.append(f"speed-up: {speedup_text(speedup)} · identical answers: {'yes' if identical(on, off) else 'no'}")
+        if on.stopped or off.stopped:  # a stopped pass did less work: a speed-up or a verdict would mislead
+            lines.append("speed-up and identical answers: not compared (a pass was stopped)")
+        else:
+            speedup = off.seconds / on.seconds if on.seconds > 0 else float("inf")
+            lines.append(f"speed-up: {speedup_text(speedup)} · identical answers: "
+                         f"{'yes' if identical(on, off) else 'no'}")
     return "  \n".join(lines)
+
+
+def _partial(run: BatchRun) -> str:
+    return " (stopped by user: partial)" if run.stopped else ""

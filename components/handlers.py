@@ -331,7 +331,7 @@ class ChatService:
                             finished[event.row] = event.episode
                             yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
                 episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
-                runs.append(BatchRun(episodes, time.perf_counter() - began, cached))
+                runs.append(BatchRun(episodes, time.perf_counter() - began, cached, stopped=cancel.is_set()))
                 if cached:  # show the rows as soon as the first pass is done
                     yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"
                 if cancel.is_set():

@@ -279,7 +279,7 @@ def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
     assert "string match `<submit>`" in chat[3]["content"]
     assert [role for _, role in tokens] == ["system", "user", "model", "tool", "model"]
     assert "<call>" in tokens[2][0] and "943" in tokens[3][0]
-    assert "1 turns" in stats and "Server: 1 session" in stats
+    assert "1 turn" in stats and "1 turns" not in stats and "Server: 1 session" in stats
 
 
 def test_errors_show_a_message_keep_the_text_and_the_session(tiny_llama, calculator_plan):

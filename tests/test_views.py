@@ -129,6 +129,17 @@ def test_batch_rewards_accuracy_rows_and_summary():
     assert "accuracy: n/a" in batch_summary([Item("Hi")], BatchRun(on[2:3], 1.0, True))
 
 
+def test_a_stopped_batch_pass_is_marked_partial_and_not_compared():
+    """Regression (Chromium): Stop during the cache-off pass showed "speed-up: 8.80× · identical answers: no",
+    comparing a finished pass with one cut short."""
+    on = [answer_episode("What is 41 * 23?", "Result = 943<submit>")]
+    off = [dataclasses.replace(on[0], use_cache=False)]
+    summary = batch_summary([Item("What is 41 * 23?")], BatchRun(on, 2.0, True),
+                            BatchRun(off, 0.5, False, stopped=True))
+    assert "total time, cache off: 0.50 s (stopped by user: partial)" in summary
+    assert "speed-up:" not in summary and "identical answers: not compared (a pass was stopped)" in summary
+
+
 # ---- handlers on the tiny forced model ------------------------------------------------------------------
 def steps(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
