@@ -33,9 +33,9 @@ GATHER_S = 0.02  # how long a step waits for rows still choosing their last toke
 
 
 class Cancelled(Exception):
-    """A request's cancel was set before its pass was done: a long prefill stops between two chunks (a Stop
-    pressed during an 800-token question beside other rows took 7.6 s, the Batch tab's 20 s). The cache keeps
-    the chunks fed so far (an exact prefix, as after any pass)."""
+    """A request's cancel was set before its pass was done: a long prefill stops between two chunks (in Chromium,
+    Stop during a 3,000-character message's turn took 7.6 s, the Batch tab's 20 s). The cache keeps the chunks
+    fed so far (an exact prefix, as after any pass)."""
 
     def __init__(self, fed: int, reused: int):
         super().__init__(f"cancelled after {fed} tokens")
@@ -172,7 +172,8 @@ class Scheduler:
     def _step(self, requests: list[_Request]) -> None:
         for request in requests:
             if request.cancel is not None and request.cancel.is_set():
-                self._finish(request, error=Cancelled(request.fed, max(0, request.reused)))
+                reused = request.reused if request.reused >= 0 else request.cache.cached  # (not started yet)
+                self._finish(request, error=Cancelled(request.fed, reused))
                 continue
             if request.reused < 0:
                 try:  # checks the invariant, crops a fully cached sequence
