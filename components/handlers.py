@@ -30,7 +30,7 @@ from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame,
 from components.chat import chat_messages, waiting_messages
 from components.compare import compare_markdown
 from components.inputs import clean_prompt, make_settings, settings_from_dict
-from components.stats import stats_markdown
+from components.stats import counted, stats_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import token_spans
 
@@ -43,7 +43,7 @@ def done_status(unanswered: int) -> str:
     done while a message of theirs was still being answered."""
     if not unanswered:
         return "done"
-    return f"done · {unanswered} more message{'s' if unanswered > 1 else ''} to answer"
+    return f"done · {counted(unanswered, 'more message')} to answer"
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:

@@ -123,14 +123,13 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                    api_name="ui_enter").then(**{**turn, "api_name": "ui_submit"})
         stop.click(service.stop, **quick, api_name="ui_stop")
         batch_stop.click(service.stop_batch, **quick, api_name="ui_batch_stop")
-        new_chat.click(service.new_chat, None, [chat, msg, status, tokens, stats], concurrency_id="new-chat",
-                       concurrency_limit=None, show_progress="hidden", api_visibility="private",
-                       api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
+        fresh = dict(fn=service.new_chat, inputs=None, outputs=[chat, msg, status, tokens, stats],
+                     concurrency_id="new-chat", concurrency_limit=None, show_progress="hidden",
+                     api_visibility="private")
+        new_chat.click(**fresh, api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
         # the chat's own trash icon is New chat too: else it empties the view only, and the next answer brought
         # the "cleared" turns back (the session still held them)
-        chat.clear(service.new_chat, None, [chat, msg, status, tokens, stats], concurrency_id="new-chat",
-                   concurrency_limit=None, show_progress="hidden", api_visibility="private",
-                   api_name="ui_clear_chat").then(**charts, api_name="ui_charts_clear_chat")
+        chat.clear(**fresh, api_name="ui_clear_chat").then(**charts, api_name="ui_charts_clear_chat")
         compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
             service.compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,
             show_progress="hidden", api_visibility="private", api_name="ui_compare")

@@ -14,18 +14,19 @@ def stats_markdown(session: Session | None, store: StoreStats, backend: str | No
         mine = "This chat: no tokens yet"
     elif kv_on_server:
         mine = (f"This chat: {len(session.cache)} tokens (their keys/values live on the model server), "
-                f"{_turns(len(session.episodes))}")
+                f"{counted(len(session.episodes), 'turn')}")
     else:
         cache = session.cache
         shared = f", {cache.shared} read from the shared prompt" if cache.shared else ""
         mine = (f"This chat: {len(cache)} tokens, {cache.cached} cached "
-                f"({cache.nbytes / MB:.1f} MB of KV of its own{shared}), {_turns(len(session.episodes))}")
-    server = (f"Server: {store.sessions} session{'s' if store.sessions != 1 else ''}, "
+                f"({cache.nbytes / MB:.1f} MB of KV of its own{shared}), {counted(len(session.episodes), 'turn')}")
+    server = (f"Server: {counted(store.sessions, 'session')}, "
               f"{store.kv_bytes / MB:.1f} MB of KV + {store.shared_bytes / MB:.1f} MB of shared prompts "
               f"(budget {store.budget_bytes / MB:.0f} MB)")
     model = f"Model: {backend}  \n" if backend else ""
     return f"{model}{mine}  \n{server}"
 
 
-def _turns(n: int) -> str:
-    return f"{n} turn{'s' if n != 1 else ''}"
+def counted(n: int, noun: str) -> str:
+    """A count with its noun: "1 turn", "2 turns", "0 sessions"."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"

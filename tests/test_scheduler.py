@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from app import scheduler as scheduler_module
 from app.decoding import StopReason
 from app.engine import Engine, EpisodeFinished, Settings, TextDelta
 from app.kvcache import TokenCache
-from app import scheduler as scheduler_module
 from app.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, Scheduler, plan_step
 from app.tools.registry import Tool, default_tools
 from tests.conftest import logit_tolerance
