@@ -1,6 +1,7 @@
 """In-process engine vs a local llama.cpp server, measured in one run on the same machine and the same GGUF.
 
     python3 benchmarks/server_bench.py [--runs 3] [--chats 4]
+    python3 benchmarks/server_bench.py --url http://127.0.0.1:8000   # only a server already running (e.g. vLLM)
 
 1. Decode speed: one long model segment (greedy, 64 new tokens, no tool call) per run on each backend, in a
    worker thread as in the app; ms/token = time from the segment's first text to its end / (generated tokens - 1),
@@ -126,27 +127,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="decode measurements per backend (median)")
     parser.add_argument("--chats", type=int, default=4, help="sessions at once")
+    parser.add_argument("--url", help="measure only this running server (MODEL_ID: its tokenizer), not the others")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
+    if args.url:
+        backend = ServerBackend.connect(ModelServer(args.url))
+        table(args.chats, {backend.name: measure(backend.name, backend, args.runs, args.chats)})
+        return
     local = measure("in-process", LocalBackend(load_model()), args.runs, args.chats)
     with LlamaServer(ctx=4096 * args.chats, parallel=args.chats, threads=2) as llama:
         server = measure("llama-server", ServerBackend.connect(ModelServer(llama.url)), args.runs, args.chats)
-    print(f"\n| {args.chats} chats × 2 turns, 2 threads | in-process (float32) | llama-server (Q4_1) |")
-    print("|---|---|---|")
-    rows = [("decode ms/token (median of runs)", "decode_ms", "{:.1f}")]
-    for r in (1, 2):
-        rows += [(f"round {r}: all chats, wall", f"wall_s_{r}", "{:.1f} s"),
-                 (f"round {r}: turn latency, mean / max", (f"mean_turn_s_{r}", f"max_turn_s_{r}"), "{:.2f} / {:.2f} s"),
-                 (f"round {r}: turns with the expected tool call", f"tool_calls_ok_{r}", "{}/" + str(2 * args.chats))]
-    for label, key, fmt in rows:
-        keys = key if isinstance(key, tuple) else (key,)
-        print(f"| {label} | {fmt.format(*(local[k] for k in keys))} | {fmt.format(*(server[k] for k in keys))} |")
+    table(args.chats, {"in-process (float32)": local, "llama-server (Q4_1)": server})
     print(f"\ndecode runs (ms/token): in-process {local['decode_runs']}, llama-server {server['decode_runs']}; "
           f"per token {local['decode_ms'] / server['decode_ms']:.1f}× faster on the server; concurrent chats, wall "
           f"in-process / server: round 1 {local['wall_s_1'] / server['wall_s_1']:.2f}×, "
           f"round 2 {local['wall_s_2'] / server['wall_s_2']:.2f}×")
     print(f"load average after: {os.getloadavg()}")
 
+
+def table(chats: int, columns: dict[str, dict]) -> None:
+    """The measured figures as a Markdown table, one column per backend."""
+    print(f"\n| {chats} chats × 2 turns | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    rows = [("decode ms/token (median of runs)", "decode_ms", "{:.1f}")]
+    for r in (1, 2):
+        rows += [(f"round {r}: all chats, wall", f"wall_s_{r}", "{:.1f} s"),
+                 (f"round {r}: turn latency, mean / max", (f"mean_turn_s_{r}", f"max_turn_s_{r}"), "{:.2f} / {:.2f} s"),
+                 (f"round {r}: turns with the expected tool call", f"tool_calls_ok_{r}", "{}/" + str(2 * chats))]
+    for label, key, fmt in rows:
+        keys = key if isinstance(key, tuple) else (key,)
+        print(f"| {label} | " + " | ".join(fmt.format(*(c[k] for k in keys)) for c in columns.values()) + " |")
 
 if __name__ == "__main__":
     main()
