@@ -3,7 +3,7 @@
     python3 benchmarks/answer_quality.py               # the table (about 3-5 min on 2 cores)
     python3 benchmarks/answer_quality.py --episodes    # ... and every episode as the model wrote it
     python3 benchmarks/answer_quality.py --set dev     # the tuning set instead of the reported one
-    python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only)
+    python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only), 72 sums
     python3 benchmarks/answer_quality.py --weights float32 int8   # both formats, and every answer that differs
 
 Each question runs greedy in a fresh session (the page's first turn); then the built-in Batch questions
@@ -106,7 +106,37 @@ ARITHMETIC = {"test": [
     ("What is 30% of 90?", "27"), ("What is 88 - 19?", "69"), ("What is 1.5 * 6?", "9"), ("What is 11 * 11?", "121"),
     ("What is 7,200 / 80?", "90"),
 ]}
-ARITHMETIC["wide"] = []  # look-ups only
+# 72 more tuning sums, none a test or dev sum: 48 written by a seeded generator before any run, and 24 more
+ARITHMETIC["wide"] = [
+    ("What is 9 to the power of 2?", "81"), ("What is 12 * 211?", "2532"),
+    ("What is the square root of 676?", "26"), ("What is 8,652 + 9,181?", "17833"),
+    ("What is 7 to the power of 2?", "49"), ("What is 82 * 79?", "6478"), ("What is 30% of 240?", "72"),
+    ("What is 8 to the power of 2?", "64"), ("What is 18744 / 66?", "284"), ("What is 36 * 805?", "28980"),
+    ("What is 8227 - 370?", "7857"), ("What is 1331 - 142?", "1189"), ("What is 75 * 605?", "45375"),
+    ("What is 6391 - 1659?", "4732"), ("What is 2221 - 126?", "2095"), ("What is 869 + 7,370?", "8239"),
+    ("What is 12180 / 84?", "145"), ("What is the square root of 2401?", "49"), ("What is 8389 - 2,704?", "5685"),
+    ("What is the square root of 361?", "19"), ("What is 9,685 + 1611?", "11296"),
+    ("What is 11 to the power of 3?", "1331"), ("What is 2 to the power of 5?", "32"),
+    ("What is 96 * 862?", "82752"), ("What is 60% of 760?", "456"), ("What is 20% of 40?", "8"),
+    ("What is 31 * 911?", "28241"), ("What is 6802 - 2,221?", "4581"), ("What is 33 * 173?", "5709"),
+    ("What is the square root of 1764?", "42"), ("What is 6829 + 1,842?", "8671"), ("What is 60 * 824?", "49440"),
+    ("What is 11 to the power of 2?", "121"), ("What is 12 to the power of 2?", "144"),
+    ("What is 40% of 500?", "200"), ("What is 7 to the power of 5?", "16807"), ("What is 55 * 453?", "24915"),
+    ("What is 8 to the power of 4?", "4096"), ("What is 8121 + 5346?", "13467"),
+    ("What is the square root of 25?", "5"), ("What is 10 * 153?", "1530"), ("What is 6 to the power of 3?", "216"),
+    ("What is 12 to the power of 3?", "1728"), ("What is 1056 / 88?", "12"), ("What is 8,196 - 4592?", "3604"),
+    ("What is 6757 + 5,609?", "12366"), ("What is 8294 / 26?", "319"), ("What is 10% of 60?", "6"),
+    # results equal to an operand or to an example's result in the prompt (100 is the last one's): the model has
+    # copied those instead of the tool's output (19/24 correct at 6a687de, int8; the other 48: 48/48)
+    ("What is 625 / 25?", "25"), ("What is 10,000 / 100?", "100"), ("What is 49 / 7?", "7"),
+    ("What is 256 / 16?", "16"), ("What is 400 / 4?", "100"), ("What is 50 + 50?", "100"),
+    ("What is 25 * 4?", "100"), ("What is 1000 / 10?", "100"), ("What is 7 * 13?", "91"),
+    ("What is 100 - 62?", "38"), ("What is 32 * 32?", "1024"), ("What is 5,000 + 30?", "5030"),
+    ("What is 2,500 / 50?", "50"), ("What is 900 / 30?", "30"), ("What is 64 / 8?", "8"), ("What is 36 / 6?", "6"),
+    ("What is 300 / 3?", "100"), ("What is 8,100 / 90?", "90"), ("What is 1,600 / 40?", "40"),
+    ("What is 200 / 2?", "100"), ("What is 5 * 20?", "100"), ("What is 20 * 5?", "100"),
+    ("What is 121 / 11?", "11"), ("What is 3,600 / 60?", "60"),
+]
 
 CHITCHAT = {"test": ["Hello, who are you?", "Hello! What can you do?", "Hi!", "Good morning!", "Thanks, that helps.",
                      "How are you today?", "What is your name?", "Tell me about yourself."],
