@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from app.decoding import StopReason
 from app.engine import MAX_QUESTION_CHARS, Episode, InputError
 from app.episode import count_text, total_or_none
 from app.rewards import exact_match
 from components.compare import speedup_text
 from components.chat import stop_text
+from components.stats import counted
 
 MAX_BATCH = 16
 COLUMNS = ["#", "question", "answer", "stops", "tool calls", "expected", "reward"]
@@ -65,9 +67,14 @@ def format_items(pairs: list[tuple[str, str]]) -> str:
 
 
 def rewards(episodes: list[Episode], items: list[Item]) -> list[float | None]:
-    """exact_match of each submitted answer against its expected one; None where none is given."""
-    return [None if item.expected is None else exact_match(episode.answer, item.expected)
+    """exact_match of each submitted answer against its expected one; None where none is given or where Stop
+    cut the row short (an unfinished answer is not a wrong one)."""
+    return [None if item.expected is None or cut_short(episode) else exact_match(episode.answer, item.expected)
             for episode, item in zip(episodes, items)]
+
+
+def cut_short(episode: Episode) -> bool:
+    return episode.stop is not None and episode.stop.reason is StopReason.CANCELLED
 
 
 def accuracy(scores: list[float | None]) -> tuple[float, int] | None:
@@ -108,10 +115,10 @@ def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) 
     lines = []
     score = accuracy(rewards(on.episodes, items))
     if score is None:
-        lines.append("accuracy: n/a (no expected answers given)")
+        lines.append("accuracy: n/a" + (_unscored(on, items) or " (no expected answers given)"))
     else:
         total, scored = score
-        lines.append(f"accuracy: {total:g}/{scored} = {100 * total / scored:.0f}%")
+        lines.append(f"accuracy: {total:g}/{scored} = {100 * total / scored:.0f}%{_unscored(on, items)}")
     tokens = count_text(total_or_none(e.prefill_tokens for e in on.episodes))
     lines.append(f"total time, cache on: {on.seconds:.2f} s{_partial(on)} ({len(on.episodes)} queries, {tokens} "
                  f"tokens prefilled, {count_text(total_or_none(e.reused_tokens for e in on.episodes))} reused)")
@@ -125,6 +132,11 @@ def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) 
             lines.append(f"speed-up: {speedup_text(speedup)} · identical answers: "
                          f"{'yes' if identical(on, off) else 'no'}")
     return "  \n".join(lines)
+
+
+def _unscored(run: BatchRun, items: list[Item]) -> str:
+    cut = sum(1 for e, item in zip(run.episodes, items) if item.expected is not None and cut_short(e))
+    return f" ({counted(cut, 'answer')} cut short by Stop, not scored)" if cut else ""
 
 
 def _partial(run: BatchRun) -> str:

@@ -66,7 +66,9 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     with gr.Tab("Batch", id="batch-tab", elem_id="batch-tab"):
                         gr.Markdown(f"One question per line, optionally `question | expected answer` (at most "
                                     f"{MAX_BATCH}). The batch runs with the settings, tools and system prompt "
-                                    "on the right, twice: KV cache on, then off.")
+                                    "on the right, twice: KV cache on, then off. A reward is 1 when the answer "
+                                    "after `Result =` is exactly the expected one (thousands separators aside), "
+                                    "as in TRL's exact-match reward.")
                         batch_questions = gr.Textbox(elem_id="batch-questions", label="Questions", lines=6,
                                                      max_lines=20, placeholder="What is 41 * 23? | 943")
                         with gr.Row():
@@ -77,16 +79,16 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                         batch_summary = gr.Markdown("", elem_id="batch-summary")
                         batch_results = gr.Dataframe(empty_frame(), elem_id="batch-results", label="Per query",
                                                      interactive=False, wrap=True,
-                                                     column_widths=["5%", "20%", "20%", "22%", "17%", "9%", "7%"])
+                                                     column_widths=["4%", "17%", "22%", "17%", "14%", "16%", "10%"])
             with gr.Column(scale=2):
                 with gr.Accordion("Settings", open=True):
                     use_cache = gr.Checkbox(DEFAULTS.use_cache, label="KV cache", elem_id="use-cache")
                     max_length = gr.Number(DEFAULTS.max_length, label="max_length (whole session, tokens)",
-                                           elem_id="max-length", precision=0)
+                                           elem_id="max-length", step=1)
                     max_new_tokens = gr.Number(DEFAULTS.max_new_tokens, label="max_new_tokens (per segment)",
-                                               elem_id="max-new-tokens", precision=0)
+                                               elem_id="max-new-tokens", step=1)
                     max_turns = gr.Number(DEFAULTS.max_turns, label="max_turns (tool calls per answer)",
-                                          elem_id="max-turns", precision=0)
+                                          elem_id="max-turns", step=1)
                     temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05,
                                             label="temperature (0 = greedy)", elem_id="temperature")
                     names = tool_names()

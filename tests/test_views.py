@@ -140,6 +140,24 @@ def test_a_stopped_batch_pass_is_marked_partial_and_not_compared():
     assert "speed-up:" not in summary and "identical answers: not compared (a pass was stopped)" in summary
 
 
+def test_answers_cut_short_by_stop_are_not_scored():
+    """Regression (Chromium): Stop 4 s into the built-in batch showed "accuracy: 1/8 = 12%", counting the rows
+    Stop had cut short as wrong answers."""
+    items = [Item("What is 41 * 23?", "943"), Item("What is 96 / 8?", "12"), Item("What is 7 + 5?", "12"),
+             Item("Hi", None)]
+    on = [answer_episode(items[0].question, "Result = 943<submit>"),
+          answer_episode(items[1].question, "<request><Calc"), answer_episode(items[2].question, ""),
+          answer_episode(items[3].question, "Hel")]
+    for episode in on[1:]:
+        episode.segments[-1].stop = Stop(StopReason.CANCELLED)
+    assert rewards(on, items) == [1.0, None, None, None]
+    assert list(batch_frame(on, items)["reward"]) == ["1", "", "", ""]
+    summary = batch_summary(items, BatchRun(on, 4.0, True, stopped=True))
+    assert "accuracy: 1/1 = 100% (2 answers cut short by Stop, not scored)" in summary
+    assert "accuracy: n/a (1 answer cut short by Stop, not scored)" in batch_summary(
+        items[1:2], BatchRun(on[1:2], 4.0, True, stopped=True))
+
+
 # ---- handlers on the tiny forced model ------------------------------------------------------------------
 def steps(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])

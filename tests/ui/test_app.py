@@ -24,7 +24,7 @@ def bot_messages(page: Page):
     return page.locator("#chat .message.bot")
 
 
-def set_number(page: Page, elem_id: str, value: int) -> None:
+def set_number(page: Page, elem_id: str, value: float) -> None:
     field = page.locator(f"#{elem_id} input")
     field.fill(str(value))
     field.blur()
@@ -236,6 +236,14 @@ def test_a_number_below_its_range_is_a_status_message(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 0)
     send(page, "Hi", status="error: max_new_tokens must be between 1 and 4096")
+
+
+def test_a_decimal_in_a_whole_number_field_is_a_status_message(open_page):
+    """Regression: the fields rounded 2.5 to 2 before the check, so a turn ran with a value nobody typed."""
+    page = open_page()
+    set_number(page, "max-new-tokens", 2.5)
+    send(page, "Hi", status="error: max_new_tokens must be a whole number, not 2.5")
+    expect(page.locator("#max-new-tokens input")).to_have_value("2.5")
 
 
 def test_empty_message_shows_an_error(open_page):
