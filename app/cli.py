@@ -108,6 +108,7 @@ def _describe(segment) -> str:
 
 
 def _summary(episode: Episode) -> str:
-    return (f"answer: {episode.answer}\n  [{episode.total_tokens} tokens in session · prefilled "
+    note = f"  [{Episode.UNRUN_NOTE}]\n" if episode.unrun_call else ""
+    return (f"{note}answer: {episode.answer}\n  [{episode.total_tokens} tokens in session · prefilled "
             f"{count_text(episode.prefill_tokens)}, reused {count_text(episode.reused_tokens)} · {episode.ms:.0f} ms · "
             f"{episode.backend}]\n")

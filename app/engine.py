@@ -162,7 +162,10 @@ class Engine:
         try:
             for calls in count():
                 segment = yield from self._model_segment(session, episode, settings, cancel, row)
-                if not calls_tool(segment.stop.string, segment.text) or calls >= settings.max_turns:
+                if not calls_tool(segment.stop.string, segment.text):
+                    break
+                if calls >= settings.max_turns:
+                    episode.unrun_call = True  # (recorded here, where the call is left unrun)
                     break
                 if cancel is None or not cancel.is_set():  # Stop during the step that wrote <call>: no tool
                     yield from self._tool_segment(session, episode, segment, settings, row)

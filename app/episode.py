@@ -61,6 +61,9 @@ class Episode:
     reward: float | None = None
     finished: bool = False
     error: str | None = None  # why the turn failed (the model or its server raised), when it did
+    unrun_call: bool = False  # the answer ended with a tool call that max_turns left unrun
+
+    UNRUN_NOTE = "the last tool call was not run: max_turns (tool calls per answer) was reached"
 
     @property
     def model_segments(self) -> list[Segment]:
@@ -113,6 +116,7 @@ class Episode:
                       "reused_tokens": self.reused_tokens},
             "segments": [s.to_json() for s in self.segments],
             **({"error": self.error} if self.error else {}),
+            **({"unrun_call": self.UNRUN_NOTE} if self.unrun_call else {}),
         }
 
 

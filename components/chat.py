@@ -111,6 +111,8 @@ def episode_messages(episode: Episode, partial: str | None = None) -> list[dict]
     """One question and its segments; `partial` is the text of a model segment still being generated."""
     messages = [user_message(episode.question)]
     messages.extend(segment_message(s) for s in episode.segments)
+    if episode.unrun_call:
+        messages.append(note_message(episode.UNRUN_NOTE))
     if partial is not None:
         messages.append(pending_model_message(partial))
     return messages

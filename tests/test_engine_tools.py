@@ -7,10 +7,11 @@ import threading
 import pytest
 
 from app.decoding import StopReason
-from app.engine import Engine, Settings
+from app.engine import Engine, Episode, Settings
 from app.protocol import encode
 from app.tools.registry import Tool, ToolError, default_tools
 from app.tools.search import Hit, set_backend
+from components.chat import episode_messages as messages_of, escape_text
 from tests.conftest import forced, plan_text, prime
 
 PROMPT = "Answer with tools.\n{tools}\n\n"
@@ -82,6 +83,22 @@ def test_max_turns_limits_tool_calls(tiny_llama, tokenizer):
     episode = engine.ask(prime(engine), "go", Settings(max_new_tokens=40, max_turns=2))
     assert [s.kind for s in episode.segments] == ["model", "tool", "model", "tool", "model"]
     assert episode.stop.string == "<call>"  # the third call is not run
+    assert episode.unrun_call and episode.to_json()["unrun_call"] == Episode.UNRUN_NOTE
+    assert messages_of(episode)[-1] == {"role": "assistant", "content": escape_text(Episode.UNRUN_NOTE),
+                                        "metadata": {"title": "Note"}}
+
+
+def test_an_answer_without_a_pending_call_has_no_unrun_note(tiny_llama, tokenizer):
+    """Regression (a visitor with max_turns 0): the answer ended "<request><Calculator>41 * 23<call>" under the
+    label "string match <call>" and nothing said that the call was never run."""
+    call = "<request><Calculator>1+1<call>"
+    n = len(encode(tokenizer, call))
+    plan = plan_text(tokenizer, (0, call), (n, "Result = 2<submit>"))
+    engine = Engine(forced(tiny_llama, plan), tools=TOOLS, prompt=PROMPT)
+    episode = engine.ask(prime(engine), "go", Settings(max_new_tokens=40, max_turns=1))
+    assert [s.kind for s in episode.segments] == ["model", "tool", "model"]
+    assert not episode.unrun_call and "unrun_call" not in episode.to_json()
+    assert all(m.get("metadata", {}).get("title") != "Note" for m in messages_of(episode))
 
 
 class PoisonedBackend:
