@@ -29,10 +29,10 @@ def compare_markdown(result: Comparison) -> str:
     on, off = result.cached, result.uncached
     rows = [
         ("answer", _cell(_answer(on)), _cell(_answer(off))),
-        ("stop", escape_text(stop_text(on.stop)), escape_text(stop_text(off.stop))),
+        ("last stop", escape_text(stop_text(on.stop)), escape_text(stop_text(off.stop))),
         ("wall time", f"{result.cached_s:.2f} s", f"{result.uncached_s:.2f} s"),
-        ("tokens prefilled", count_text(on.prefill_tokens), count_text(off.prefill_tokens)),
-        ("tokens reused", count_text(on.reused_tokens), count_text(off.reused_tokens)),
+        ("tokens prefilled, all segments", count_text(on.prefill_tokens), count_text(off.prefill_tokens)),
+        ("tokens reused, all segments", count_text(on.reused_tokens), count_text(off.reused_tokens)),
         ("segments", str(len(on.segments)), str(len(off.segments))),
     ]
     table = ["| | cache on | cache off |", "|---|---|---|"]

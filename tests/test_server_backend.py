@@ -265,4 +265,4 @@ def test_compare_maps_the_cache_switch_to_the_servers_prompt_cache(engine):
     on, off = result.cached.segments[0], result.uncached.segments[0]
     assert on.cached_tokens >= on.start - 16 and off.cached_tokens == 0 and off.prefill_tokens == off.start
     assert not result.stopped and len(session.episodes) == 1  # forks: the chat itself is unchanged
-    assert f"| tokens reused | {result.cached.reused_tokens} | 0 |" in compare_markdown(result)
+    assert f"| tokens reused, all segments | {result.cached.reused_tokens} | 0 |" in compare_markdown(result)

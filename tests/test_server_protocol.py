@@ -91,4 +91,4 @@ def test_counts_a_server_did_not_report_show_as_not_reported():
     assert prefill_frame([episode]).empty  # no bars rather than made-up zeros
     assert "not reported tokens prefilled" in timing_summary([episode])
     table = compare_markdown(Comparison(episode, episode, 1.0, 1.0))
-    assert "| tokens prefilled | not reported | not reported |" in table
+    assert "| tokens prefilled, all segments | not reported | not reported |" in table

@@ -33,7 +33,7 @@ def test_compare_shows_both_columns_and_identical_tokens(open_page):
     expect(result.locator("th")).to_have_text(["", "cache on", "cache off"])
     expect(result).to_contain_text("identical tokens: yes")
     expect(result).to_contain_text(re.compile(r"speed-up with the cache: [\d.]+×"))
-    for row in ("answer", "wall time", "tokens prefilled", "tokens reused"):
+    for row in ("answer", "wall time", "tokens prefilled, all segments", "tokens reused, all segments"):
         expect(result.locator("td", has_text=re.compile(f"^{row}$"))).to_have_count(1)
     answers = result.locator("tr", has_text="answer").first.locator("td")
     assert "943" in answers.nth(1).inner_text() and answers.nth(1).inner_text() == answers.nth(2).inner_text()
