@@ -17,6 +17,7 @@ that no reported question, look-up, arithmetic or greeting, is tuned on.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -29,7 +30,7 @@ from app.decoding import StopReason  # noqa: E402
 from app.engine import Engine, Episode, Settings  # noqa: E402
 from app.model import WEIGHT_FORMATS, load_model, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
-from app.rewards import builtin_questions, exact_match  # noqa: E402
+from app.rewards import builtin_questions, exact_match, submitted  # noqa: E402
 
 from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
 
@@ -185,7 +186,16 @@ def arithmetic_row(episode: Episode, expected: str, settings: Settings) -> dict:
 
 def chitchat_row(episode: Episode, settings: Settings) -> dict:
     ended = ended_by(episode, SUBMIT) or (episode.stop is not None and episode.stop.reason is StopReason.EOS)
-    return {"no_tool": not tool_calls(episode), "ended": ended, "limits": over_limits(episode, settings)}
+    return {"no_tool": not tool_calls(episode), "ended": ended, "limits": over_limits(episode, settings),
+            "echo": echoes(episode)}
+
+
+def echoes(episode: Episode) -> bool:
+    """The answer is the question again ("Thank you!" → "Result = Thank you!"), word for word."""
+    def words(text: str) -> list[str]:
+        return re.findall(r"\w+", text.lower())
+
+    return words(submitted(episode.answer)) == words(episode.question)
 
 
 def transcript(episode: Episode) -> str:
@@ -264,6 +274,7 @@ def print_table(which: str, runs: dict[str, dict]) -> None:
     print(f"| chit-chat ({which}) | {len(look['chit-chat'].rows)} | no tool call | {cells('chit-chat', 'no_tool')} |")
     print(f"| | | ended with `<submit>` or EOS | {cells('chit-chat', 'ended')} |")
     print(f"| | | reached max_turns or max_length | {cells('chit-chat', 'limits')} |")
+    print(f"| | | answer repeats the question word for word | {cells('chit-chat', 'echo')} |")
     print(f"| built-in Batch questions | {len(builtin_questions())} | correct | "
           f"{' | '.join(run['batch'] for run in runs.values())} |")
 
