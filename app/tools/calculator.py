@@ -353,7 +353,8 @@ def _not_words(text: str) -> None:
     words = text.split()
     if (_WORDS.fullmatch(text) and not {w.lower() for w in words} & (set(CONSTANTS) | set(FUNCTIONS))
             and not any(keyword.iskeyword(w) for w in words)):  # True, lambda: the parser's own messages
-        raise _error(f"{text!r} is words, not arithmetic; to look up what a word means, use Search")
+        raise ToolError(f"{text!r} is words, not arithmetic",
+                        hint=("Search", "to look up what a word means, use Search"))
 
 
 def _parse(text: str) -> ast.Expression:

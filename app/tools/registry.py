@@ -20,7 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class ToolError(Exception):
-    """A rejection with a short, user-facing message (shown to the model as `error: <message>`)."""
+    """A rejection with a short, user-facing message (shown to the model as `error: <message>`). `hint`: (another
+    tool's name, advice that names it), added to the message only where that tool is in the session's tool set:
+    advice to use a tool that is switched off would send the model to an unknown tool."""
+
+    def __init__(self, message: str, hint: tuple[str, str] | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 def _as_is(output: str) -> str:
@@ -91,7 +97,8 @@ def run_tool(tools: Mapping[str, Tool], name: str, query: str) -> ToolResult:
     try:
         text = tool.function(query)
     except ToolError as exc:
-        return ToolResult(f"error: {exc}", ok=False)
+        hint = f"; {exc.hint[1]}" if exc.hint and find_tool(tools, exc.hint[0]) else ""
+        return ToolResult(f"error: {exc}{hint}", ok=False)
     except Exception as exc:  # a tool failure is a result the model reads, never a crash
         log.exception("tool %s failed on %r", tool.name, query)
         return ToolResult(f"error: {tool.name} failed ({type(exc).__name__}: {exc})", ok=False)
