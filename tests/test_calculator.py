@@ -143,6 +143,8 @@ ATTACKS = [
     ("(1+2))", "unmatched ')'"),  # only parentheses left open at the end are closed
     (")1+2(", "unmatched ')'"),
     ("1\x00", "could not parse"),
+    # Regression: "Define heisenbug." sent the word to the Calculator, whose parse error did not say what to do
+    # (the advice to use Search is added by run_tool where the session has Search: tests/test_registry.py)
     ("heisenbug", "'heisenbug' is words, not arithmetic"),
     ("yak shaving", "is words, not arithmetic"),
 ]
