@@ -17,10 +17,11 @@ from app.model import BUNDLED_GGUF, bundled_model_dir
 from app.server_client import ModelServer
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source distribution the binary is built from (see the build script)
+BUILD = f"{LLAMA_CPP_PYTHON_VERSION}-noamx"  # the build script's cache folder suffix (a new recipe, a new folder)
 
 
 def server_binary() -> Path:
-    path = cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}" / "llama-server"
+    path = cache_dir() / f"llama-server-{BUILD}" / "llama-server"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `bash scripts/build_llama_server.sh` (once, ~6 min)")
     return path
