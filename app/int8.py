@@ -6,6 +6,10 @@ with the CPU's VNNI instructions (measured: the LM head 1.6 ms against 11.5 ms i
 a scalar loop, far slower than float32 (a timing at load tells, `int8_matmul_is_fast`); there the same integer
 products run exactly on fbgemm's int8 kernel (`ExactWeight`), else on float hardware.
 
+Where `_int_mm` is fast, few tokens still go to fbgemm's kernel where torch has it (`FEW_TOKENS`): `_int_mm`
+re-lays its weight out at every call, a cost that does not shrink with the tokens, while fbgemm reads a weight
+packed once (a one-row decode step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; README "Model").
+
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
 result depends on that token alone: not on the rows batched beside it in a step, nor on how a prefill was
 chunked (tested bitwise). Library routes quantize a whole input tensor with one scale (`torch.ao` dynamic
@@ -149,43 +153,48 @@ def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return parts @ weight.t()
 
 
+FEW_TOKENS = 8  # where both kernels are fast, inputs of up to this many tokens take the exact one (see to_int8)
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x in two int8 parts per token."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 exact: bool = False):
-        """`exact`: multiply on float hardware (ExactWeight) instead of with torch._int_mm: the same bits."""
+                 exact: bool = False, few: int | None = None):
+        """`exact`: multiply on the exact kernel (ExactWeight) instead of with torch._int_mm: the same bits;
+        `few`: only inputs of up to this many tokens (None: all)."""
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         self.exact = ExactWeight(weight) if exact else None  # (not a buffer: derived from `weight`, never saved)
+        self.few = few
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   exact: bool = False) -> Int8Linear:
+                   exact: bool = False, few: int | None = None) -> Int8Linear:
         values, scale = quantize_rows(weight.detach().float())
         bias = None if bias is None else bias.detach().float().clone()
-        return cls(values, scale.squeeze(1), bias, exact)
+        return cls(values, scale.squeeze(1), bias, exact, few)
 
     @classmethod
-    def fused(cls, *linears: nn.Module, exact: bool = False) -> Int8Linear:
+    def fused(cls, *linears: nn.Module, exact: bool = False, few: int | None = None) -> Int8Linear:
         """Layers that read the same input as one: their outputs side by side, in order."""
         biases = [linear.bias for linear in linears]
         bias = None if any(b is None for b in biases) else torch.cat(biases)
-        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact)
+        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact, few)
 
     def rows(self, start: int, stop: int) -> Int8Linear:
         """Output channels start..stop as their own layer, sharing this one's int8 memory (an exact kernel's
         weight is held again for the slice: fbgemm's packed weights cannot be sliced)."""
         bias = None if self.bias is None else self.bias[start:stop]
-        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, self.exact is not None)
+        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, self.exact is not None, self.few)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.exact is None:
+        if self.exact is None or (self.few is not None and len(flat) > self.few):
             parts, scale = split_rows(flat)
             both = torch._int_mm(parts, self.weight.t()).float()  # exact: int8 products summed in int32
         else:
@@ -253,28 +262,24 @@ def int8_matmul_is_fast() -> bool:
 
 
 @torch.no_grad()
-def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on float
-    hardware (ExactWeight: the same bits as torch._int_mm); None: where int8 matmuls are slow on this CPU and
-    every layer's rows are short enough for it. `saved`: int8_state() of this model's conversion, taken
+def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None,
+            few: int | None = None) -> None:
+    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on the
+    exact kernel (ExactWeight: the same bits as torch._int_mm), for inputs of up to `few` tokens (None: all);
+    exact None: chosen for this CPU (_kernels). `saved`: int8_state() of this model's conversion, taken
     instead of quantizing again where it holds a layer (app.model keeps it beside the converted weights)."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
     if exact is None:
-        cfg = model.config
-        fits = fbgemm_int8() or max(cfg.hidden_size, cfg.intermediate_size) <= EXACT_SPAN
-        exact = fits and not int8_matmul_is_fast()
-        if exact:
-            log.info("torch's int8 matmul is slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
-                     "fbgemm" if fbgemm_int8() else "float32")
+        exact, few = _kernels(model.config)
 
     def int8(name: str, *linears: nn.Module) -> Int8Linear:
         weight, scale, bias = (None if saved is None else saved.get(f"{name}.{key}") for key in INT8_KEYS)
         out = sum(linear.out_features for linear in linears)
         if weight is not None and weight.shape == (out, linears[0].in_features) and weight.dtype == torch.int8 \
                 and scale is not None and scale.shape == (out,) and (bias is None) == (linears[0].bias is None):
-            return Int8Linear(weight, scale, bias, exact)
-        return Int8Linear.fused(*linears, exact=exact)
+            return Int8Linear(weight, scale, bias, exact, few)
+        return Int8Linear.fused(*linears, exact=exact, few=few)
 
     for i, layer in enumerate(model.model.layers):
         attn, mlp, at = layer.self_attn, layer.mlp, f"model.layers.{i}"
@@ -286,6 +291,19 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
     if exact:
         _prepare_exact(model)
+
+
+def _kernels(config) -> tuple[bool, int | None]:
+    """(exact, few) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for everything
+    (where every layer's rows are short enough for it); where it is fast, fbgemm's for few tokens (decode: the
+    same bits, without _int_mm's per-call relayout of the weight) and `_int_mm` for more."""
+    if int8_matmul_is_fast():
+        return fbgemm_int8(), FEW_TOKENS
+    exact = fbgemm_int8() or max(config.hidden_size, config.intermediate_size) <= EXACT_SPAN
+    if exact:
+        log.info("torch's int8 matmul is slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
+                 "fbgemm" if fbgemm_int8() else "float32")
+    return exact, None
 
 
 INT8_KEYS = ("weight", "scale", "bias")
