@@ -102,7 +102,8 @@ def fbgemm_int8() -> bool:
 
 class ExactWeight:
     """An int8 weight held for another kernel, multiplied with the bits of `torch._int_mm(parts, weight.T)`, for a
-    CPU whose `_int_mm` is slow (no VNNI: a scalar loop there, ~30x slower than float32).
+    CPU whose `_int_mm` is slow (no VNNI: a scalar loop there, ~30x slower than float32), and for inputs of few
+    tokens where it is fast (FEW_TOKENS; fbgemm only).
 
     fbgemm's int8 kernel, where torch has it: it multiplies unsigned by signed bytes, exactly for 7-bit
     activations, and sums in int32. It is called with the activations' quantization given (scale 1, zero point
