@@ -90,7 +90,9 @@ def tool_message(segment: Segment) -> dict:
         "metadata": {
             "title": escape_text(tool_title(segment)),
             "log": "ok" if segment.ok else "error",
-            "duration": round(segment.ms / 1000, 3),
+            # (to the microsecond: Gradio shows a whole number as seconds, so a tool that took under 0.5 ms, rounded
+            # to the millisecond, read "0s" beside the others' "1.0ms")
+            "duration": round(segment.ms / 1000, 6),
         },
     }
 

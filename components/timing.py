@@ -12,6 +12,7 @@ import pandas as pd
 
 from app.engine import Episode
 from app.episode import count_text
+from components.stats import counted
 
 PREFILL_COLUMNS = ["segment", "part", "tokens", "ms", "turn", "kind"]
 TIME_COLUMNS = ["segment", "kind", "ms", "turn"]
@@ -62,5 +63,5 @@ def timing_summary(episodes: list[Episode]) -> str:
     if not episodes:
         return "Timing: no turns yet"
     last = episodes[-1]
-    return (f"Turn {len(episodes)}: {len(last.segments)} segments, {count_text(last.prefill_tokens)} tokens prefilled "
-            f"new, {count_text(last.reused_tokens)} reused from cache, {last.ms / 1000:.2f} s")
+    return (f"Turn {len(episodes)}: {counted(len(last.segments), 'segment')}, {count_text(last.prefill_tokens)} "
+            f"tokens prefilled new, {count_text(last.reused_tokens)} reused from cache, {last.ms / 1000:.2f} s")

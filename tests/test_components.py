@@ -87,6 +87,9 @@ def test_tool_message_is_collapsible_with_tool_query_and_result():
     message = tool_message(failed)
     assert message["metadata"]["title"] == "Tool call \\(malformed\\)" and message["metadata"]["log"] == "error"
     assert "&lt;request&gt;" in message["content"]
+    # regression: a sub-millisecond tool was rounded to a duration of 0, which Gradio shows as "0s"
+    quick = dataclasses.replace(calculator_episode().segments[1], ms=0.21)
+    assert tool_message(quick)["metadata"]["duration"] == 0.00021
 
 
 def test_episode_and_chat_messages_one_part_per_segment():

@@ -67,7 +67,8 @@ def test_timing_frames_equal_the_segment_stats():
     assert list(times["ms"]) == [round(s.ms, 1) for _, s in segments]
     assert prefill_frame([]).empty and time_frame([]).empty
     assert list(prefill_frame([first, second], last=1)["segment"].unique()) == ["T2.1 model"]
-    assert timing_summary([first, second]) == ("Turn 2: 1 segments, 12 tokens prefilled new, 743 reused from "
+    # (regression: "1 segments", seen on the page)
+    assert timing_summary([first, second]) == ("Turn 2: 1 segment, 12 tokens prefilled new, 743 reused from "
                                                "cache, 0.00 s")
     plot = gr.BarPlot(x="segment", y="tokens", color="part").postprocess(frame)
     assert plot.datatypes["segment"] == "nominal" and plot.datatypes["tokens"] == "quantitative"
