@@ -35,12 +35,12 @@ class Comparison:
 
 
 def compare(engine: Engine, session: Session, question: str, settings: Settings,
-            cancel: threading.Event | None = None) -> Comparison:
-    """Each run works on its own fork of the session, so the session itself is left as it was. A set `cancel`
-    stops both runs between tokens (their segments say so)."""
+            cancel: threading.Event | None = None, turns: int | None = None) -> Comparison:
+    """Each run works on its own fork of the session (of its first `turns` turns: Session.fork), so the session
+    itself is left as it was. A set `cancel` stops both runs between tokens (their segments say so)."""
     runs = []
     for use_cache in (True, False):
-        fork = session.fork(kv=use_cache)  # the uncached run would drop a copied cache at once
+        fork = session.fork(kv=use_cache, turns=turns)  # the uncached run would drop a copied cache at once
         began = time.perf_counter()
         episode = engine.ask(fork, question, dataclasses.replace(settings, use_cache=use_cache), cancel)
         runs.append((episode, time.perf_counter() - began))

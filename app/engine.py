@@ -45,12 +45,15 @@ class Session:
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
 
-    def fork(self, kv: bool = True) -> "Session":
+    def fork(self, kv: bool = True, turns: int | None = None) -> "Session":
         """An independent copy (tokens, history so far, and the cache unless kv=False), e.g. to run one question
-        two ways side by side."""
+        two ways side by side; `turns`: only the first turns, as they were before the next one was asked (to
+        run a turn again; the sampling generator's state stays the latest)."""
         with self.lock:
             other = Session(self.cache.fork() if kv else TokenCache(self.cache.ids), self.prompt_tokens)
-            other.episodes = list(self.episodes)
+            other.episodes = list(self.episodes[:turns])
+            if len(other.episodes) < len(self.episodes):
+                other.cache.truncate(self.episodes[len(other.episodes)].query_start)
             other.generator.set_state(self.generator.get_state())
             return other
 

@@ -279,8 +279,9 @@ class ChatService:
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
                 request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
-        """The current question (message box, else the chat's last one) with the cache on and off, side by side,
-        on forks of this visitor's session (the chat is unchanged). Yields (result markdown, status)."""
+        """The current question with the cache on and off, side by side, on forks of this visitor's session (the
+        chat is unchanged); with an empty message box, the chat's last turn again, from where it was asked (so
+        the cached run can be checked against the chat's own answer). Yields (result markdown, status)."""
         entry = self.store.get(request.session_hash)
         cancel = entry.chat_stop.begin(ticket)
         yield gr.skip(), "running: compare (cache on, then off)"
@@ -294,11 +295,14 @@ class ChatService:
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
                                                    tools)
             prompt = clean_prompt(prompt)
-            session = self.matching_session(entry, engine, prompt)
+            session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
+            elif not (message or "").strip():
+                turns = len(session.episodes) - 1  # the last turn again, from where it was asked
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
-                result = compare(engine, session, question, settings, cancel=cancel)  # (off needs more than on)
+                result = compare(engine, session, question, settings, cancel=cancel,  # (off needs more than on)
+                                 turns=turns)
             yield compare_markdown(result), "done (stopped by user)" if result.stopped else "done"
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)

@@ -52,8 +52,9 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                         status = gr.Markdown("ready", elem_id="status")
                         gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
                         compare_result = gr.Markdown(
-                            "*Compare runs the message (or the chat's last question) with the KV cache on and "
-                            "off, from this point of the chat, without changing it.*", elem_id="compare-result")
+                            "*Compare runs the message with the KV cache on and off from this point of the chat "
+                            "(an empty box: the chat's last turn again), without changing the chat.*",
+                            elem_id="compare-result")
                         with gr.Row():
                             timing = gr.BarPlot(prefill_frame([]), x="segment", y="tokens", color="part",
                                                 color_map=TIMING_COLORS, title="Prefill per segment: new vs reused",

@@ -177,6 +177,26 @@ def test_compare_runs_both_ways_on_forks_and_leaves_the_session_alone(tiny):
     assert result.uncached.reused_tokens == 0
 
 
+@pytest.mark.parametrize("kv", [True, False])
+def test_compare_can_run_the_last_turn_again_from_where_it_was_asked(tiny, kv):
+    """Regression (a visitor's pass): Compare of the chat's last question asked it again after its own answer, so
+    its "cache on" answer differed from the chat's ("kluge" searched after "kludge"). A fork of the first turns
+    holds the tokens and cache from before the next question, and running that question gives the chat's bits."""
+    from app.compare import compare
+
+    engine = Engine(tiny, prompt=PROMPT)
+    session = engine.new_session()
+    engine.ask(session, "warm-up turn", Settings(max_new_tokens=3))
+    last = engine.ask(session, "What is 12 times 7?", Settings(max_new_tokens=6))
+    fork = session.fork(kv=kv, turns=1)
+    assert fork.cache.ids == session.cache.ids[:last.query_start] and len(fork.episodes) == 1
+    assert fork.cache.cached == (last.query_start if kv else 0)
+    before = list(session.cache.ids)
+    result = compare(engine, session, last.question, Settings(max_new_tokens=6), turns=1)
+    assert result.cached.token_ids == result.uncached.token_ids == last.token_ids
+    assert session.cache.ids == before and len(session.episodes) == 2
+
+
 def test_an_evicted_session_copies_the_shared_prompt_and_prefills_only_its_own_tokens(tiny_llama):
     """Regression (load test, 20 chats in a 512 MB budget): a session whose cache the budget dropped recomputed
     the whole system prompt at its next turn, ~1,150 tokens on the default prompt, for every evicted session."""

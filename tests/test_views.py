@@ -193,7 +193,7 @@ def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(t
     assert "identical tokens: yes" in text and "| | cache on | cache off |" in text
     assert text.count("Result = 943&lt;submit&gt;") == 2
     assert service.store.peek("page-1").session is None  # compare never creates or changes the chat
-    # with a chat: an empty message box compares the chat's last question, on forks of the session
+    # with a chat: an empty message box runs the chat's last turn again, on forks of the session from before it
     loaded.model.plan, loaded.model.step = answers_plan(tokenizer, 3, CALC), 0
     turn(service, "What is 41 * 23?")
     session = service.store.peek("page-1").session
