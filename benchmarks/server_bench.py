@@ -134,10 +134,11 @@ def main() -> None:
         backend = ServerBackend.connect(ModelServer(args.url))
         table(args.chats, {backend.name: measure(backend.name, backend, args.runs, args.chats)})
         return
-    local = measure("in-process", LocalBackend(load_model()), args.runs, args.chats)
+    loaded = load_model()
+    local = measure("in-process", LocalBackend(loaded), args.runs, args.chats)
     with LlamaServer(ctx=4096 * args.chats, parallel=args.chats, threads=2) as llama:
         server = measure("llama-server", ServerBackend.connect(ModelServer(llama.url)), args.runs, args.chats)
-    table(args.chats, {"in-process (float32)": local, "llama-server (Q4_1)": server})
+    table(args.chats, {f"in-process ({loaded.weights})": local, "llama-server (Q4_1)": server})
     print(f"\ndecode runs (ms/token): in-process {local['decode_runs']}, llama-server {server['decode_runs']}; "
           f"per token {local['decode_ms'] / server['decode_ms']:.1f}× faster on the server; concurrent chats, wall "
           f"in-process / server: round 1 {local['wall_s_1'] / server['wall_s_1']:.2f}×, "
