@@ -48,7 +48,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             send = gr.Button("Send", elem_id="send", variant="primary")
                             stop = gr.Button("Stop", elem_id="stop", variant="stop")
                             new_chat = gr.Button("New chat", elem_id="new-chat")
-                            compare = gr.Button("Compare cache on/off", elem_id="compare")
+                            compare = gr.Button("Compare cache", elem_id="compare")
                         status = gr.Markdown("ready", elem_id="status")
                         gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
                         compare_result = gr.Markdown(
