@@ -7,7 +7,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from app.decoding import StopReason
 from app.engine import Engine, Episode, Session, Settings
 
 
@@ -26,8 +25,7 @@ class Comparison:
     @property
     def stopped(self) -> bool:
         """Stop cut one of the runs short: its time and tokens say nothing about the cache."""
-        return any(s.stop is not None and s.stop.reason is StopReason.CANCELLED
-                   for episode in (self.cached, self.uncached) for s in episode.segments)
+        return self.cached.cut_short or self.uncached.cut_short
 
     @property
     def speedup(self) -> float:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.decoding import Stop
+from app.decoding import Stop, StopReason
 
 
 @dataclass
@@ -88,6 +88,11 @@ class Episode:
     def stop(self) -> Stop | None:
         last = self.last_model_segment
         return last.stop if last else None
+
+    @property
+    def cut_short(self) -> bool:
+        """Stop ended the turn (a cancelled segment is always its last: nothing runs after it)."""
+        return self.stop is not None and self.stop.reason is StopReason.CANCELLED
 
     @property
     def prefill_tokens(self) -> int | None:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from app.decoding import StopReason
 from app.engine import MAX_QUESTION_CHARS, Episode, InputError
 from app.episode import count_text, total_or_none
 from app.rewards import exact_match
@@ -69,12 +68,8 @@ def format_items(pairs: list[tuple[str, str]]) -> str:
 def rewards(episodes: list[Episode], items: list[Item]) -> list[float | None]:
     """exact_match of each submitted answer against its expected one; None where none is given or where Stop
     cut the row short (an unfinished answer is not a wrong one)."""
-    return [None if item.expected is None or cut_short(episode) else exact_match(episode.answer, item.expected)
+    return [None if item.expected is None or episode.cut_short else exact_match(episode.answer, item.expected)
             for episode, item in zip(episodes, items)]
-
-
-def cut_short(episode: Episode) -> bool:
-    return episode.stop is not None and episode.stop.reason is StopReason.CANCELLED
 
 
 def accuracy(scores: list[float | None]) -> tuple[float, int] | None:
@@ -135,7 +130,7 @@ def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) 
 
 
 def _unscored(run: BatchRun, items: list[Item]) -> str:
-    cut = sum(1 for e, item in zip(run.episodes, items) if item.expected is not None and cut_short(e))
+    cut = sum(1 for e, item in zip(run.episodes, items) if item.expected is not None and e.cut_short)
     return f" ({counted(cut, 'answer')} cut short by Stop, not scored)" if cut else ""
 
 

@@ -287,7 +287,8 @@ class ChatService:
         yield gr.skip(), "running: compare (cache on, then off)"
         try:
             question = (message or "").strip()
-            if not question:
+            rerun = not question  # the chat's last turn again
+            if rerun:
                 last = entry.session.episodes[-1].question if entry.session and entry.session.episodes else ""
                 if not last:
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
@@ -298,8 +299,8 @@ class ChatService:
             session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
-            elif not (message or "").strip():
-                turns = len(session.episodes) - 1  # the last turn again, from where it was asked
+            elif rerun:
+                turns = len(session.episodes) - 1  # from where the last turn was asked
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
                 result = compare(engine, session, question, settings, cancel=cancel,  # (off needs more than on)
                                  turns=turns)
