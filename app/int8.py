@@ -20,6 +20,8 @@ the int8 weights did. Each part is 7-bit (|value| <= ACT_MAX): a CPU without VNN
 bytes and adds pairs of products in 16 bits, which is exact only with 7-bit activations (fbgemm's `reduce_range`).
 Weights get one scale per output channel (8-bit). Embeddings, norms and attention stay float32,
 and so does the embedding table, which the LM head no longer shares once converted.
+
+The splitting and the scaling back live in app.int8_rows (in C where a compiler is at hand: the same bits).
 """
 
 from __future__ import annotations
@@ -33,59 +35,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from app.int8_rows import ACT_MAX, QMAX, combine_rows, native, quantize_rows, split_rows, split_rows_float
 from app.ragged import supports
 
 log = logging.getLogger(__name__)
-
-QMAX = 127  # a weight's largest int8 value
-ACT_MAX = 63  # an activation part's: 7 bits (see the module's docstring)
-FINE = 2 * ACT_MAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-ACT_MAX, ACT_MAX]
-
-
-def _row_scale(x: torch.Tensor, qmax: int) -> torch.Tensor:
-    """One float32 scale per row: its largest magnitude over qmax (a zero row gets a tiny one, not a division
-    by zero)."""
-    # (abs().amax(): the same values as an inf-norm, ~5x faster on a [80, 576] step input: 14 vs 79 us)
-    return x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(qmax)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, float32 scale per row) with x ≈ values * scale, each row scaled by its own largest value."""
-    scale = _row_scale(x, QMAX)
-    return torch.round(x / scale).to(torch.int8), scale
-
-
-def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x as two 7-bit parts: x ≈ (high + low / FINE) * scale, returned as ([high; low], scale).
-
-    One 8-bit part per token kept about 8 bits of each activation, and that rounding was most of int8's error
-    (measured on the system prompt and questions: 92.9 % of next tokens agreed with float32, 97.9 % with only
-    the weights in int8). The second part holds the first one's rounding error (at most half a step, so FINE
-    steps per step fit the part): ~13 bits in all. Both parts go through one matmul, and at decode a step is
-    bound by reading the weights, which serve the second part at no extra cost."""
-    parts, scale = split_rows_float(x)
-    return parts.to(torch.int8), scale
-
-
-def split_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """split_rows with the parts' integer values left in float32, as the exact kernel reads them."""
-    scale = _row_scale(x, ACT_MAX)
-    scaled = x / scale
-    high = _round_(scaled.clone())
-    low = _round_(scaled.sub_(high).mul_(FINE))
-    return torch.cat([high, low]), scale
-
-
-ROUNDER = 1.5 * 2**23  # a float32 of magnitude below 2**22 plus this lies where floats are the integers
-
-
-def _round_(x: torch.Tensor) -> torch.Tensor:
-    """torch.round's values for |x| < 2**22 (to the nearest integer, ties to even: the float adder's own rounding),
-    in place. Why not torch.round: PyTorch runs it in parallel from 2,048 values on, and waking the second core
-    for each of the ~240 roundings of an 8-row step cost more than the rounding (measured 140-180 us a call in a
-    step against 5 us alone); an add is parallel only from 32,768."""
-    return x.add_(ROUNDER).sub_(ROUNDER)
-
 
 SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ (measured faster for 2-48)
 EXACT_SPAN = 2048  # float32 holds every integer below 2**24, and 2048 products stay below it (63 * 127 * 2048)
@@ -197,14 +150,11 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.exact is None or (self.few is not None and len(flat) > self.few):
             parts, scale = split_rows(flat)
-            both = torch._int_mm(parts, self.weight.t()).float()  # exact: int8 products summed in int32
+            sums = torch._int_mm(parts, self.weight.t())  # exact: int8 products summed in int32
         else:
             parts, scale = split_rows_float(flat)
-            both = self.exact.mm(parts)  # the same bits, on float hardware
-        out = both[:len(flat)].add_(both[len(flat):], alpha=1 / FINE).mul_(scale).mul_(self.scale)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            sums = self.exact.mm(parts)  # the same sums, as floats
+        return combine_rows(sums, scale, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -290,6 +240,7 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
                             int8(f"{at}.mlp.down_proj", mlp.down_proj), mlp.act_fn)
     model.lm_head = int8("lm_head", model.lm_head)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
+    native()  # the per-token C code, built now (once per CPU kind, ~1 s) rather than by the first question
     if exact:
         _prepare_exact(model)
 

@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 
-from app.int8 import (ACT_MAX, EXACT_SPAN, FINE, QMAX, ExactWeight, Int8Linear, fbgemm_int8, int8_matmul_is_fast,
-                      int8_state, split_rows, split_rows_float, to_int8)
+from app import int8_rows
+from app.int8 import EXACT_SPAN, ExactWeight, Int8Linear, fbgemm_int8, int8_matmul_is_fast, int8_state, to_int8
+from app.int8_rows import (ACT_MAX, FINE, QMAX, combine_rows, combine_rows_torch, split_rows, split_rows_float,
+                           split_rows_torch)
 from app.kvcache import new_kv
 from app.model import LoadedModel, load_model, weight_format, wrap
 from app.ragged import Row, ragged_forward
@@ -108,9 +110,9 @@ def test_split_rows_float_holds_split_rows_values():
 
 @pytest.mark.parametrize("rows", [1, 8, 80])
 def test_split_rows_rounds_as_torch_round(rows):
-    """The add-based rounding (app.int8._round_: torch.round woke the second core for each of an 8-row step's
-    ~240 roundings) gives torch.round's values, ties to even included."""
-    from app.int8 import _round_
+    """The add-based rounding (app.int8_rows._round_: torch.round woke the second core for each of an 8-row
+    step's ~240 roundings) gives torch.round's values, ties to even included."""
+    from app.int8_rows import _round_
 
     halves = torch.arange(-4 * FINE, 4 * FINE + 1, dtype=torch.float32) / 4  # every quarter in range
     assert torch.equal(_round_(halves.clone()), torch.round(halves))
@@ -119,6 +121,71 @@ def test_split_rows_rounds_as_torch_round(rows):
     high = torch.round(x / scale)
     low = torch.round((x / scale - high) * FINE)
     assert torch.equal(split_rows_float(x)[0], torch.cat([high, low]))
+
+
+needs_native = pytest.mark.skipif(int8_rows.native() is None, reason="no C compiler here (torch runs instead)")
+
+
+def _activations(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Rows of very different sizes, a zero row, exact ties (.5 steps) and values at a row's largest."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * torch.logspace(-6, 4, rows).unsqueeze(1)
+    x[0] = 0
+    if rows > 1 and width > 4:
+        x[1, :4] = torch.tensor([ACT_MAX, -ACT_MAX, 0.5, -2.5])  # scale 1: .5 and -2.5 tie, round to even
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("rows,width", [(1, 576), (2, 1536), (9, 49), (80, 576), (3, 1)])
+def test_the_c_split_gives_the_torch_bits(rows, width):
+    x = _activations(rows, width, rows * width)
+    want_parts, want_scale = split_rows_torch(x)
+    for dtype, split in ((torch.float32, split_rows_float), (torch.int8, split_rows)):
+        parts, scale = split(x)
+        assert parts.dtype == dtype and torch.equal(scale, want_scale)
+        assert torch.equal(parts.float(), want_parts)
+    assert torch.equal(split_rows_float(x)[0].view(torch.int32), want_parts.view(torch.int32))  # zeros' signs too
+
+
+@needs_native
+@pytest.mark.parametrize("rows,width,bias", [(1, 1536, False), (3, 576, True), (80, 3072, False), (2, 49, True),
+                                             (1, 49152, False)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
+def test_the_c_combine_gives_the_torch_bits(rows, width, bias, dtype):
+    gen = torch.Generator().manual_seed(rows * width)
+    sums = torch.randint(-2**23, 2**23, (2 * rows, width), generator=gen, dtype=torch.int32).to(dtype)
+    scale, weight_scale = torch.rand(rows, 1, generator=gen) / 60, torch.rand(width, generator=gen) / 100
+    b = torch.randn(width, generator=gen) if bias else None
+    assert torch.equal(combine_rows(sums, scale, weight_scale, b), combine_rows_torch(sums, scale, weight_scale, b))
+
+
+def test_without_c_the_torch_version_runs(monkeypatch):
+    """TEXTENV_NATIVE=0 (or no compiler): the same functions, in torch."""
+    monkeypatch.setenv("TEXTENV_NATIVE", "0")
+    int8_rows.native.cache_clear()
+    try:
+        assert int8_rows.native() is None
+        x = _activations(4, 64, 4)
+        assert torch.equal(split_rows_float(x)[0], split_rows_torch(x)[0])
+        assert split_rows(x)[0].dtype == torch.int8
+    finally:
+        monkeypatch.undo()
+        int8_rows.native.cache_clear()
+
+
+def test_a_failed_c_build_leaves_torch_running(monkeypatch, tmp_path, caplog):
+    """A compiler that fails is logged and the torch version runs: a Space without a working toolchain still
+    answers."""
+    monkeypatch.setenv("TEXTENV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    int8_rows.native.cache_clear()
+    try:
+        assert int8_rows.native() is None
+        assert "could not build int8_rows.c" in caplog.text and not list(tmp_path.glob("int8-rows-*"))
+    finally:
+        monkeypatch.undo()
+        int8_rows.native.cache_clear()
 
 
 def test_a_model_on_the_exact_kernel_holds_its_weights_at_load(tiny_llama):

@@ -1,0 +1,177 @@
+"""The per-token work around an int8 matmul: splitting each activation row into two 7-bit parts with its own
+scale, and scaling the matmul's integer sums back. In C where a compiler is at hand, else in torch; the same bits.
+
+Why C: at decode these are ~20 torch calls on a few hundred values around each of a step's 121 matmuls, each
+call a few microseconds of dispatch for almost no arithmetic: ~80 us a layer's matmul against its ~30 us of
+multiplying (a Xeon with VNNI; README "Model"). One C call does the same float32 operations, in the same order,
+in ~4 us. `app/int8_rows.c` is compiled once per CPU kind into the cache folder (~1 s) and called through ctypes
+(which releases the GIL, like torch's kernels); without a compiler, or if the build fails, the torch version
+runs, with the same results (tests/test_int8.py compares the two bitwise). TEXTENV_NATIVE=0 turns C off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from app.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+QMAX = 127  # a weight's largest int8 value
+ACT_MAX = 63  # an activation part's: 7 bits (app.int8's docstring)
+FINE = 2 * ACT_MAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-ACT_MAX, ACT_MAX]
+ROUNDER = 1.5 * 2**23  # a float32 of magnitude below 2**22 plus this lies where floats are the integers
+
+SOURCE = Path(__file__).with_name("int8_rows.c")
+# -ffp-contract=off: no fused multiply-adds where torch rounds twice; -march=native: built on the CPU it runs on
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+def _row_scale(x: torch.Tensor, qmax: int) -> torch.Tensor:
+    """One float32 scale per row: its largest magnitude over qmax (a zero row gets a tiny one, not a division
+    by zero)."""
+    # (abs().amax(): the same values as an inf-norm, ~5x faster on a [80, 576] step input: 14 vs 79 us)
+    return x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(qmax)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scale per row) with x ≈ values * scale, each row scaled by its own largest value
+    (the weights' one-time quantization: torch only)."""
+    scale = _row_scale(x, QMAX)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x as two 7-bit parts: x ≈ (high + low / FINE) * scale, returned as ([high; low], scale).
+
+    One 8-bit part per token kept about 8 bits of each activation, and that rounding was most of int8's error
+    (measured on the system prompt and questions: 92.9 % of next tokens agreed with float32, 97.9 % with only
+    the weights in int8). The second part holds the first one's rounding error (at most half a step, so FINE
+    steps per step fit the part): ~13 bits in all. Both parts go through one matmul, and at decode a step is
+    bound by reading the weights, which serve the second part at no extra cost."""
+    return _split(x, torch.int8)
+
+
+def split_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_rows with the parts' integer values left in float32, as the exact kernel reads them."""
+    return _split(x, torch.float32)
+
+
+def combine_rows(sums: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """(high + low / FINE) * scale * weight_scale (+ bias) from a matmul's sums (int32 or float32) over split
+    rows: the high parts' rows, then the low parts'."""
+    lib = native()
+    if lib is None or not _fits(sums):
+        return combine_rows_torch(sums, scale, weight_scale, bias)
+    n, width = len(sums) // 2, sums.shape[1]
+    out = torch.empty(n, width)
+    floats = sums.dtype == torch.float32
+    lib.combine_rows(sums.data_ptr() if floats else None, None if floats else sums.data_ptr(), n, width, FINE,
+                     scale.data_ptr(), weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                     out.data_ptr())
+    return out
+
+
+def _split(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = native()
+    if lib is None or x.dtype != torch.float32 or not _fits(x):
+        parts, scale = split_rows_torch(x)
+        return parts.to(dtype), scale
+    n, width = x.shape
+    parts, scale = torch.empty(2 * n, width, dtype=dtype), torch.empty(n, 1)
+    floats = dtype == torch.float32
+    lib.split_rows(x.data_ptr(), n, width, ACT_MAX, FINE, parts.data_ptr() if floats else None,
+                   None if floats else parts.data_ptr(), scale.data_ptr())
+    return parts, scale
+
+
+def _fits(x: torch.Tensor) -> bool:
+    """Whether C can read x as it is: contiguous float32 or int32 in CPU memory. (The scales and biases it reads
+    beside x are app.int8's own: contiguous float32.)"""
+    return x.dtype in _C_TYPES and x.is_cpu and x.is_contiguous()
+
+
+_C_TYPES = (torch.float32, torch.int32)
+
+
+def split_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_rows in torch, the parts' values in float32: what the C code computes, one operation at a time."""
+    scale = _row_scale(x, ACT_MAX)
+    scaled = x / scale
+    high = _round_(scaled.clone())
+    low = _round_(scaled.sub_(high).mul_(FINE))
+    return torch.cat([high, low]), scale
+
+
+def combine_rows_torch(sums: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """combine_rows in torch."""
+    sums = sums.float()
+    n = len(sums) // 2
+    out = sums[:n].add_(sums[n:], alpha=1 / FINE).mul_(scale).mul_(weight_scale)
+    return out if bias is None else out.add_(bias)
+
+
+def _round_(x: torch.Tensor) -> torch.Tensor:
+    """torch.round's values for |x| < 2**22 (to the nearest integer, ties to even: the float adder's own rounding),
+    in place. Why not torch.round: PyTorch runs it in parallel from 2,048 values on, and waking the second core
+    for each of the ~240 roundings of an 8-row step cost more than the rounding (measured 140-180 us a call in a
+    step against 5 us alone); an add is parallel only from 32,768."""
+    return x.add_(ROUNDER).sub_(ROUNDER)
+
+
+@functools.cache
+def native() -> ctypes.CDLL | None:
+    """The C functions, built on first use (None where they cannot be: then torch computes the same)."""
+    if os.environ.get("TEXTENV_NATIVE", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler: the int8 layers' per-token work runs in torch (the same results, slower)")
+        return None
+    path = cache_dir() / f"int8-rows-{_build_key(compiler)}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("could not build %s (%s%s): the int8 layers' per-token work runs in torch", SOURCE.name, error,
+                    f": {error.stderr.strip()}" if getattr(error, "stderr", None) else "")
+        return None
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.split_rows.argtypes = [p, i64, i64, f32, f32, p, p, p]
+    lib.combine_rows.argtypes = [p, p, i64, i64, f32, p, p, p, p]
+    lib.split_rows.restype = lib.combine_rows.restype = None
+    return lib
+
+
+def _build_key(compiler: str) -> str:
+    """A digest of what the built library depends on: the source, the compiler and flags, the CPU's features
+    (-march=native code may not run on another CPU kind sharing the cache folder)."""
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, cpu]).encode()).hexdigest()[:16]
+
+
+def _build(compiler: str, path: Path) -> None:
+    """Compile into a file of this process's own, then move it into place (other processes may build too)."""
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
