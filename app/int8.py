@@ -35,7 +35,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from app.int8_rows import ACT_MAX, QMAX, combine_rows, native, quantize_rows, split_rows, split_rows_float
+from app.int8_rows import ACT_MAX, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
+from app.native import library
 from app.ragged import supports
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
                             int8(f"{at}.mlp.down_proj", mlp.down_proj), mlp.act_fn)
     model.lm_head = int8("lm_head", model.lm_head)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
-    native()  # the per-token C code, built now (once per CPU kind, ~1 s) rather than by the first question
+    library()  # the C functions, built now (once per CPU kind, ~1 s) rather than by the first question
     if exact:
         _prepare_exact(model)
 

@@ -1,39 +1,23 @@
 """The per-token work around an int8 matmul: splitting each activation row into two 7-bit parts with its own
-scale, and scaling the matmul's integer sums back. In C where a compiler is at hand, else in torch; the same bits.
+scale, and scaling the matmul's integer sums back. In C where a compiler is at hand (app.native), else in torch;
+the same bits (tests/test_int8.py compares the two bitwise).
 
 Why C: at decode these are ~20 torch calls on a few hundred values around each of a step's 121 matmuls, each
-call a few microseconds of dispatch for almost no arithmetic: ~80 us a layer's matmul against its ~30 us of
-multiplying (a Xeon with VNNI; README "Model"). One C call does the same float32 operations, in the same order,
-in ~4 us. `app/int8_rows.c` is compiled once per CPU kind into the cache folder (~1 s) and called through ctypes
-(which releases the GIL, like torch's kernels); without a compiler, or if the build fails, the torch version
-runs, with the same results (tests/test_int8.py compares the two bitwise). TEXTENV_NATIVE=0 turns C off.
+call a few microseconds of dispatch for almost no arithmetic (one layer's: ~80 us around its ~30 us of
+multiplying, on a Xeon with VNNI). One C call (`app/int8_rows.c`) does the same float32 operations, in the same
+order, in ~4 us.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import torch
 
-from app.config import cache_dir
-
-log = logging.getLogger(__name__)
+from app.native import library
 
 QMAX = 127  # a weight's largest int8 value
 ACT_MAX = 63  # an activation part's: 7 bits (app.int8's docstring)
 FINE = 2 * ACT_MAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-ACT_MAX, ACT_MAX]
 ROUNDER = 1.5 * 2**23  # a float32 of magnitude below 2**22 plus this lies where floats are the integers
-
-SOURCE = Path(__file__).with_name("int8_rows.c")
-# -ffp-contract=off: no fused multiply-adds where torch rounds twice; -march=native: built on the CPU it runs on
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 def _row_scale(x: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -70,7 +54,7 @@ def combine_rows(sums: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Te
                  bias: torch.Tensor | None) -> torch.Tensor:
     """(high + low / FINE) * scale * weight_scale (+ bias) from a matmul's sums (int32 or float32) over split
     rows: the high parts' rows, then the low parts'."""
-    lib = native()
+    lib = library()
     if lib is None or not _fits(sums):
         return combine_rows_torch(sums, scale, weight_scale, bias)
     n, width = len(sums) // 2, sums.shape[1]
@@ -83,7 +67,7 @@ def combine_rows(sums: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Te
 
 
 def _split(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = native()
+    lib = library()
     if lib is None or x.dtype != torch.float32 or not _fits(x):
         parts, scale = split_rows_torch(x)
         return parts.to(dtype), scale
@@ -128,50 +112,3 @@ def _round_(x: torch.Tensor) -> torch.Tensor:
     for each of the ~240 roundings of an 8-row step cost more than the rounding (measured 140-180 us a call in a
     step against 5 us alone); an add is parallel only from 32,768."""
     return x.add_(ROUNDER).sub_(ROUNDER)
-
-
-@functools.cache
-def native() -> ctypes.CDLL | None:
-    """The C functions, built on first use (None where they cannot be: then torch computes the same)."""
-    if os.environ.get("TEXTENV_NATIVE", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("no C compiler: the int8 layers' per-token work runs in torch (the same results, slower)")
-        return None
-    path = cache_dir() / f"int8-rows-{_build_key(compiler)}.so"
-    try:
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as error:
-        log.warning("could not build %s (%s%s): the int8 layers' per-token work runs in torch", SOURCE.name, error,
-                    f": {error.stderr.strip()}" if getattr(error, "stderr", None) else "")
-        return None
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.split_rows.argtypes = [p, i64, i64, f32, f32, p, p, p]
-    lib.combine_rows.argtypes = [p, p, i64, i64, f32, p, p, p, p]
-    lib.split_rows.restype = lib.combine_rows.restype = None
-    return lib
-
-
-def _build_key(compiler: str) -> str:
-    """A digest of what the built library depends on: the source, the compiler and flags, the CPU's features
-    (-march=native code may not run on another CPU kind sharing the cache folder)."""
-    cpu = ""
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, cpu]).encode()).hexdigest()[:16]
-
-
-def _build(compiler: str, path: Path) -> None:
-    """Compile into a file of this process's own, then move it into place (other processes may build too)."""
-    part = path.with_name(f"{path.name}.{os.getpid()}.part")
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from app import int8_rows
+from app import native
 from app.int8 import EXACT_SPAN, ExactWeight, Int8Linear, fbgemm_int8, int8_matmul_is_fast, int8_state, to_int8
 from app.int8_rows import (ACT_MAX, FINE, QMAX, combine_rows, combine_rows_torch, split_rows, split_rows_float,
                            split_rows_torch)
@@ -123,7 +123,7 @@ def test_split_rows_rounds_as_torch_round(rows):
     assert torch.equal(split_rows_float(x)[0], torch.cat([high, low]))
 
 
-needs_native = pytest.mark.skipif(int8_rows.native() is None, reason="no C compiler here (torch runs instead)")
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler here (torch runs instead)")
 
 
 def _activations(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -163,15 +163,15 @@ def test_the_c_combine_gives_the_torch_bits(rows, width, bias, dtype):
 def test_without_c_the_torch_version_runs(monkeypatch):
     """TEXTENV_NATIVE=0 (or no compiler): the same functions, in torch."""
     monkeypatch.setenv("TEXTENV_NATIVE", "0")
-    int8_rows.native.cache_clear()
+    native.library.cache_clear()
     try:
-        assert int8_rows.native() is None
+        assert native.library() is None
         x = _activations(4, 64, 4)
         assert torch.equal(split_rows_float(x)[0], split_rows_torch(x)[0])
         assert split_rows(x)[0].dtype == torch.int8
     finally:
         monkeypatch.undo()
-        int8_rows.native.cache_clear()
+        native.library.cache_clear()
 
 
 def test_a_failed_c_build_leaves_torch_running(monkeypatch, tmp_path, caplog):
@@ -179,13 +179,13 @@ def test_a_failed_c_build_leaves_torch_running(monkeypatch, tmp_path, caplog):
     answers."""
     monkeypatch.setenv("TEXTENV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    int8_rows.native.cache_clear()
+    native.library.cache_clear()
     try:
-        assert int8_rows.native() is None
-        assert "could not build int8_rows.c" in caplog.text and not list(tmp_path.glob("int8-rows-*"))
+        assert native.library() is None
+        assert "could not build the C functions" in caplog.text and not list(tmp_path.glob("native-*"))
     finally:
         monkeypatch.undo()
-        int8_rows.native.cache_clear()
+        native.library.cache_clear()
 
 
 def test_a_model_on_the_exact_kernel_holds_its_weights_at_load(tiny_llama):

@@ -1,0 +1,81 @@
+"""The project's C functions (app/*.c), compiled once per CPU kind into the cache folder and called via ctypes.
+
+Why C: at decode a step is hundreds of tiny operations (a token's activations are a few hundred floats), and
+each torch call costs microseconds of dispatch for almost no arithmetic; one C call does such a piece whole.
+Each caller keeps a torch version of what it calls (tests compare the two), so a machine without a compiler, or
+whose build fails, runs the same model in torch. ctypes releases the GIL during a call, like torch's kernels.
+TEXTENV_NATIVE=0 turns C off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from app.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_rows.c",))
+# -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
+# it runs on (the cache file's name holds the CPU's features)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # name: (argument types, result type), as the .c files declare them
+    "split_rows": ([_p, _i64, _i64, _f32, _f32, _p, _p, _p], None),
+    "combine_rows": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p], None),
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The C functions, built on first use (None where they cannot be: callers then run their torch versions)."""
+    if os.environ.get("TEXTENV_NATIVE", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler: the per-token work runs in torch (the same model, slower)")
+        return None
+    path = cache_dir() / f"native-{_build_key(compiler)}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("could not build the C functions (%s%s): the per-token work runs in torch", error,
+                    f": {error.stderr.strip()}" if getattr(error, "stderr", None) else "")
+        return None
+    for name, (arguments, result) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = arguments, result
+    return lib
+
+
+def _build_key(compiler: str) -> str:
+    """A digest of what the built library depends on: the sources, the compiler and flags, the CPU's features
+    (-march=native code may not run on another CPU kind sharing the cache folder)."""
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    parts = [source.read_text() for source in SOURCES] + [compiler, *FLAGS, cpu]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _build(compiler: str, path: Path) -> None:
+    """Compile into a file of this process's own, then move it into place (other processes may build too)."""
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(part), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
