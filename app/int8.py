@@ -21,7 +21,8 @@ bytes and adds pairs of products in 16 bits, which is exact only with 7-bit acti
 Weights get one scale per output channel (8-bit). Embeddings, norms and attention stay float32,
 and so does the embedding table, which the LM head no longer shares once converted.
 
-The splitting and the scaling back live in app.int8_rows (in C where a compiler is at hand: the same bits).
+The splitting and the scaling back live in app.int8_rows (in C where a compiler is at hand: the same bits); in
+the ragged pass app.int8_layer does them together with a layer's norms, rotary, SiLU and residual adds.
 """
 
 from __future__ import annotations
@@ -149,13 +150,19 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.exact is None or (self.few is not None and len(flat) > self.few):
-            parts, scale = split_rows(flat)
-            sums = torch._int_mm(parts, self.weight.t())  # exact: int8 products summed in int32
-        else:
-            parts, scale = split_rows_float(flat)
-            sums = self.exact.mm(parts)  # the same sums, as floats
-        return combine_rows(sums, scale, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
+        parts, scale = (split_rows_float if self.reads_floats(len(flat)) else split_rows)(flat)
+        return combine_rows(self.sums(parts), scale, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
+
+    def reads_floats(self, tokens: int) -> bool:
+        """Whether an input of this many tokens goes to the exact kernel (parts as floats) or to `_int_mm` (int8)."""
+        return self.exact is not None and (self.few is None or tokens <= self.few)
+
+    def sums(self, parts: torch.Tensor) -> torch.Tensor:
+        """parts @ weight.T: int32 sums from `_int_mm` for int8 parts, the same sums as floats from the exact
+        kernel for float parts (as `reads_floats` chose)."""
+        if parts.dtype == torch.int8:
+            return torch._int_mm(parts, self.weight.t())  # exact: int8 products summed in int32
+        return self.exact.mm(parts)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -22,7 +22,8 @@ from app.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_rows.c",))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_rows.c", "int8_layer.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h",))
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
@@ -31,6 +32,11 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, result type), as the .c files declare them
     "split_rows": ([_p, _i64, _i64, _f32, _f32, _p, _p, _p], None),
     "combine_rows": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p], None),
+    "norm_split": ([_p, _i64, _i64, _p, _f32, _f32, _f32, _p, _p, _p], None),
+    "rotate": ([_p, _i64, _i64, _i64, _i64, _p, _p], None),
+    "combine_add": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p], None),
+    "combine_add_norm_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p, _p, _f32, _f32, _p, _p, _p], None),
+    "combine_silu_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _f32, _p, _p, _p], None),
 }
 
 
@@ -66,7 +72,7 @@ def _build_key(compiler: str) -> str:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    parts = [source.read_text() for source in SOURCES] + [compiler, *FLAGS, cpu]
+    parts = [source.read_text() for source in SOURCES + HEADERS] + [compiler, *FLAGS, cpu]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

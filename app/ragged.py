@@ -13,7 +13,9 @@ as in FlashInfer), so the prefix is never copied. Every row reading one prefix r
 as FlashInfer's shared-prefix batch decode does: its keys/values are read once a step instead of once a row
 (8 decoding rows over the 900-token default prompt: 41 MB a step instead of 330).
 
-Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can take this path.
+Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
+(app.int8_layer). Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can
+take this path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from app.int8_layer import fused_layers
 
 SUPPORTED = frozenset({"llama"})
 # PyTorch's CPU flash attention multiplies queries by keys in blocks of up to 32 queries (64 from 192 queries a
@@ -140,6 +144,34 @@ def _merge(head: torch.Tensor, head_lse: torch.Tensor, own: torch.Tensor, own_ls
     return torch.lerp(own, head, torch.sigmoid(head_lse - own_lse).unsqueeze(-1))
 
 
+class TorchLayers:
+    """A layer as the model's own modules compute it (any weights): what ragged_forward asks of a layer besides
+    attention. app.int8_layer.FusedInt8Layers answers the same for int8 weights in a few C calls."""
+
+    @staticmethod
+    def attention_inputs(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries and keys (rotated) and values, each [1, heads, tokens, head_dim]."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (1, hidden.shape[1], -1, attn.head_dim)
+        q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def finish(layer, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention: output projection, MLP and the residual adds."""
+        hidden = hidden + layer.self_attn.o_proj(out)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    @staticmethod
+    def logits(model, hidden: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(model.model.norm(hidden))
+
+
+TORCH_LAYERS = TorchLayers()
+
+
 def _qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Queries, keys and values: one fused matmul where the weights have one (app.int8), else three."""
     fused = getattr(attn, "qkv_proj", None)
@@ -167,14 +199,12 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     masks = [causal_mask(len(row.ids), row.start - before, None if row.prefix is None else repeat)
              for row, before in zip(rows, shared)]
     readers = _prefix_readers(rows)
+    layers = fused_layers(model) or TORCH_LAYERS
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        shape = (1, at, -1, attn.head_dim)
-        q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = layers.attention_inputs(layer, hidden, cos, sin)
         heads = _prefix_attention(q, rows, spans, readers, index, attn.scaling)
         outs = []
         for i, (row, (a, b), mask) in enumerate(zip(rows, spans, masks)):
@@ -184,8 +214,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
             else:
                 outs.append(_merge(*heads[i], *_attend_lse(q[:, :, a:b], keys, values, mask, attn.scaling)))
         out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
-        hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = layers.finish(layer, hidden, out)
     kept = torch.cat([torch.arange(b - row.keep, b) for row, (_, b) in zip(rows, spans)])
-    logits = model.lm_head(inner.norm(hidden[:, kept]))[0]
+    logits = layers.logits(model, hidden[:, kept])[0]
     return list(logits.split([row.keep for row in rows]))

@@ -1,0 +1,96 @@
+/* A decoder layer's work between its int8 matmuls, a few calls a layer (app/int8_layer.py): the norms, the
+ * split of their output into 7-bit parts, the scaling back of the matmuls' sums with the residual adds, rotary
+ * embeddings and the gated MLP's SiLU. Each row (token) alone, in one fixed order (int8_rows.h). */
+
+#include "int8_rows.h"
+
+#define LANES 16 /* partial sums a reduction keeps: one vector register, always summed in the same order */
+
+/* out = weight * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm in float32. */
+static inline void rms_norm_row(const float *x, int64_t d, const float *weight, float eps, float *out) {
+    float acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= d; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[j + l] * x[j + l];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) acc[l] += acc[l + width];
+    float sum = acc[0];
+    for (; j < d; j++) sum += x[j] * x[j];
+    float r = 1.0f / sqrtf(sum / (float)d + eps);
+    for (j = 0; j < d; j++) out[j] = weight[j] * (x[j] * r);
+}
+
+/* e^x to float32's precision (~2 ulp) in plain arithmetic, which the compiler turns into vector code (a call to
+ * the C library's expf is one element at a time). x = k ln2 + r, |r| <= ln2 / 2: e^x = 2^k e^r, e^r by its
+ * Taylor polynomial to r^7, 2^k written into the exponent bits. Clamped to where 2^k is a normal float. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float k = (x * 1.44269504088896341f + ROUNDER) - ROUNDER; /* round(x / ln2) */
+    float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f; /* ln2 in two parts */
+    float e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120
+                                                                                    + r * (1.0f / 720 + r / 5040))))));
+    union { int32_t i; float f; } two = {.i = ((int32_t)k + 127) << 23};
+    return e * two.f;
+}
+
+/* Rows of x normed (weight, eps), then split into parts. */
+void norm_split(const float *x, int64_t n, int64_t d, const float *weight, float eps, float act_max, float fine,
+                float *parts_f32, int8_t *parts_i8, float *scale) {
+    Parts p = {parts_f32, parts_i8, scale, n, act_max, fine};
+    float normed[d];
+    for (int64_t i = 0; i < n; i++) {
+        rms_norm_row(x + i * d, d, weight, eps, normed);
+        split_row(normed, d, i, &p);
+    }
+}
+
+/* Rotary embeddings in place on the first `heads` heads (of `dim` values) of each of n rows of `width`:
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[dim/2:], x[:dim/2]), as transformers computes it. */
+void rotate(float *y, int64_t n, int64_t width, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+    int64_t half = dim / 2;
+    float x[dim];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = y + i * width + h * dim;
+            const float *c = cos + i * dim, *s = sin + i * dim;
+            for (int64_t j = 0; j < dim; j++) x[j] = v[j];
+            for (int64_t j = 0; j < dim; j++) v[j] = x[j] * c[j] + (j < half ? -x[j + half] : x[j - half]) * s[j];
+        }
+}
+
+/* hidden += the scaled-back sums (an output projection and the residual add). */
+void combine_add(const float *sums_f32, const int32_t *sums_i32, int64_t n, int64_t o, float fine,
+                 const float *scale, const float *wscale, const float *bias, float *hidden) {
+    Sums s = {sums_f32, sums_i32, n, o, fine, scale, wscale, bias};
+    float y[o];
+    for (int64_t i = 0; i < n; i++) {
+        combine_row(&s, i, y);
+        for (int64_t c = 0; c < o; c++) hidden[i * o + c] = hidden[i * o + c] + y[c];
+    }
+}
+
+/* combine_add, then the new hidden rows normed (weight, eps) and split into parts: the attention's output
+ * projection, its residual add and the MLP's input norm. */
+void combine_add_norm_split(const float *sums_f32, const int32_t *sums_i32, int64_t n, int64_t o, float fine,
+                            const float *scale, const float *wscale, const float *bias, float *hidden,
+                            const float *weight, float eps, float act_max, float *parts_f32, int8_t *parts_i8,
+                            float *parts_scale) {
+    combine_add(sums_f32, sums_i32, n, o, fine, scale, wscale, bias, hidden);
+    norm_split(hidden, n, o, weight, eps, act_max, fine, parts_f32, parts_i8, parts_scale);
+}
+
+/* The gated MLP's middle: from the gate and up projections' sums (2m values a row: gate, then up), silu(gate) *
+ * up, split into parts for the down projection. silu(v) = v / (1 + e^-v). */
+void combine_silu_split(const float *sums_f32, const int32_t *sums_i32, int64_t n, int64_t o, float fine,
+                        const float *scale, const float *wscale, const float *bias, float act_max, float *parts_f32,
+                        int8_t *parts_i8, float *parts_scale) {
+    Sums s = {sums_f32, sums_i32, n, o, fine, scale, wscale, bias};
+    Parts p = {parts_f32, parts_i8, parts_scale, n, act_max, fine};
+    int64_t m = o / 2;
+    float y[o];
+    for (int64_t i = 0; i < n; i++) {
+        combine_row(&s, i, y);
+        for (int64_t j = 0; j < m; j++) y[j] = y[j] / (1.0f + exp_approx(-y[j])) * y[m + j];
+        split_row(y, m, i, &p);
+    }
+}

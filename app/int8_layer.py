@@ -1,0 +1,122 @@
+"""An int8 decoder layer with its work between the matmuls in a few C calls (app/int8_layer.c), for app.ragged.
+
+Why: at decode a layer's four matmuls are most of its arithmetic, but around them transformers' modules and
+app.int8's split and scaling are ~60 torch calls on a few hundred floats each, and on two cores their dispatch
+cost more than the matmuls (a py-spy profile of a one-row int8 step: the weights' kernel ~41 % of the step,
+norms, rotary, the split and scaling, the residual adds and the Python between them most of the rest). Here a
+layer is: norm + split (one call), q/k/v matmul, scaling + rotary (two), attention as before, split, output
+matmul, scaling + residual add + norm + split (one), gate/up matmul, scaling + SiLU·up + split (one), down
+matmul, scaling + residual add (one).
+
+Every token is computed alone in a fixed order, so a token's bits do not depend on the rows beside it (tested
+bitwise, as for the torch path). The norms and SiLU round differently from transformers' torch kernels (a
+different summation order, a polynomial e^x): within ~1e-6 of them, tested, and the same in every pass of a
+process, so cached and uncached runs stay token-identical. Where the C library is missing, app.ragged runs the
+layers as torch modules instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.int8_rows import ACT_MAX, FINE
+from app.native import library
+
+
+def fused_layers(model) -> FusedInt8Layers | None:
+    """The fused layers for a model converted by app.int8.to_int8 (Llama family: RMS norms, a SiLU-gated MLP),
+    where the C library is built; else None."""
+    lib = library()
+    layer = model.model.layers[0]
+    if lib is None or not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up")
+                           and model.config.hidden_act == "silu" and hasattr(model.lm_head, "sums")):
+        return None
+    return FusedInt8Layers(lib)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedInt8Layers:
+    """What app.ragged asks of a layer, in the fused calls: q/k/v for attention, then the rest of the layer.
+    `hidden` is [1, tokens, width], contiguous float32, and is updated in place."""
+
+    def __init__(self, lib):
+        self.lib = lib  # (every tensor whose address goes to C is held in a local until the call returns)
+
+    def _norm_split(self, x: torch.Tensor, norm, linear) -> tuple[torch.Tensor, torch.Tensor]:
+        n, d = x.shape
+        parts, scale = self._parts(n, d, linear)
+        self.lib.norm_split(x.data_ptr(), n, d, norm.weight.data_ptr(), norm.variance_epsilon, ACT_MAX, FINE,
+                            *self._targets(parts), scale.data_ptr())
+        return parts, scale
+
+    @staticmethod
+    def _parts(n: int, d: int, linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for n rows split for `linear`, in the dtype its kernel reads for n tokens."""
+        dtype = torch.float32 if linear.reads_floats(n) else torch.int8
+        return torch.empty(2 * n, d, dtype=dtype), torch.empty(n, 1)
+
+    @staticmethod
+    def _targets(parts: torch.Tensor) -> tuple[int | None, int | None]:
+        return (parts.data_ptr(), None) if parts.dtype == torch.float32 else (None, parts.data_ptr())
+
+    @staticmethod
+    def _sums(linear, parts: torch.Tensor) -> tuple[torch.Tensor, int | None, int | None]:
+        sums = linear.sums(parts)
+        return sums, *((sums.data_ptr(), None) if sums.dtype == torch.float32 else (None, sums.data_ptr()))
+
+    def attention_inputs(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries (rotated), keys (rotated) and values, each [1, heads, tokens, head_dim]."""
+        attn, x = layer.self_attn, hidden[0]
+        qkv = attn.qkv_proj
+        n = len(x)
+        parts, scale = self._norm_split(x, layer.input_layernorm, qkv)
+        sums, floats, ints = self._sums(qkv, parts)
+        y = torch.empty(n, qkv.out_features)
+        self.lib.combine_rows(floats, ints, n, qkv.out_features, FINE, scale.data_ptr(), qkv.scale.data_ptr(),
+                              _ptr(qkv.bias), y.data_ptr())
+        widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        rotated = (widths[0] + widths[1]) // attn.head_dim
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        self.lib.rotate(y.data_ptr(), n, qkv.out_features, rotated, attn.head_dim, cos.data_ptr(), sin.data_ptr())
+        return tuple(p.view(1, n, -1, attn.head_dim).transpose(1, 2) for p in y.split(widths, dim=-1))
+
+    def finish(self, layer, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection, the residual adds and the MLP, into `hidden`."""
+        x, o_proj, mlp = hidden[0], layer.self_attn.o_proj, layer.mlp
+        n, width = x.shape
+        out = out.reshape(n, -1).contiguous()
+        parts, scale = self._parts(n, out.shape[1], o_proj)
+        self.lib.split_rows(out.data_ptr(), n, out.shape[1], ACT_MAX, FINE, *self._targets(parts), scale.data_ptr())
+        sums, floats, ints = self._sums(o_proj, parts)
+        # the output projection's residual add, then the MLP's norm and split for gate/up
+        norm, gate_up = layer.post_attention_layernorm, mlp.gate_up
+        parts, up_scale = self._parts(n, width, gate_up)
+        self.lib.combine_add_norm_split(floats, ints, n, width, FINE, scale.data_ptr(), o_proj.scale.data_ptr(),
+                                        _ptr(o_proj.bias), x.data_ptr(), norm.weight.data_ptr(),
+                                        norm.variance_epsilon, ACT_MAX, *self._targets(parts), up_scale.data_ptr())
+        sums, floats, ints = self._sums(gate_up, parts)
+        # SiLU(gate) * up, split for the down projection
+        down = mlp.down_proj
+        parts, scale = self._parts(n, down.in_features, down)
+        self.lib.combine_silu_split(floats, ints, n, gate_up.out_features, FINE, up_scale.data_ptr(),
+                                    gate_up.scale.data_ptr(), _ptr(gate_up.bias), ACT_MAX, *self._targets(parts),
+                                    scale.data_ptr())
+        sums, floats, ints = self._sums(down, parts)
+        # the down projection's residual add
+        self.lib.combine_add(floats, ints, n, width, FINE, scale.data_ptr(), down.scale.data_ptr(), _ptr(down.bias),
+                             x.data_ptr())
+        return hidden
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head, for [1, tokens, width] hidden states."""
+        x, head = hidden[0].contiguous(), model.lm_head
+        n = len(x)
+        parts, scale = self._norm_split(x, model.model.norm, head)
+        sums, floats, ints = self._sums(head, parts)
+        logits = torch.empty(n, head.out_features)
+        self.lib.combine_rows(floats, ints, n, head.out_features, FINE, scale.data_ptr(), head.scale.data_ptr(),
+                              _ptr(head.bias), logits.data_ptr())
+        return logits.unsqueeze(0)

@@ -1,0 +1,70 @@
+/* Per-row pieces of the int8 layers' work (app/int8_rows.c, app/int8_layer.c): each computes one row alone, in
+ * one fixed order of float32 operations, so a token's bits never depend on the rows beside it or on where its
+ * row lies in memory. Built with -ffp-contract=off: no multiply and add fused where the torch versions round
+ * twice (the one fused step is written out with fmaf). */
+
+#include <math.h>
+#include <stdint.h>
+
+/* A float32 of magnitude below 2**22 plus this lies where floats are the integers: (v + R) - R is v rounded to
+ * the nearest integer, ties to even (the float adder's own rounding), as torch's version rounds. */
+static const float ROUNDER = 12582912.0f; /* 1.5 * 2**23 */
+
+/* Where split rows go: 2n rows of d values (the high parts of rows 0..n-1, then their low parts), as floats
+ * holding the integer values (f32) or as int8 (i8), whichever is not NULL; and one scale per row. */
+typedef struct {
+    float *f32;
+    int8_t *i8;
+    float *scale;
+    int64_t n;
+    float act_max, fine;
+} Parts;
+
+static inline float row_scale(const float *row, int64_t d, float act_max) {
+    float m = 0.0f;
+    for (int64_t j = 0; j < d; j++) {
+        float a = fabsf(row[j]);
+        m = a > m ? a : m;
+    }
+    return (m > 1e-12f ? m : 1e-12f) / act_max;
+}
+
+/* Row i of the split: x ≈ (high + low / fine) * scale. */
+static inline void split_row(const float *row, int64_t d, int64_t i, const Parts *p) {
+    float s = row_scale(row, d, p->act_max);
+    p->scale[i] = s;
+    for (int64_t j = 0; j < d; j++) {
+        float v = row[j] / s;
+        float high = (v + ROUNDER) - ROUNDER;
+        float low = ((v - high) * p->fine + ROUNDER) - ROUNDER;
+        if (p->f32) {
+            p->f32[i * d + j] = high;
+            p->f32[(p->n + i) * d + j] = low;
+        } else {
+            p->i8[i * d + j] = (int8_t)high;
+            p->i8[(p->n + i) * d + j] = (int8_t)low;
+        }
+    }
+}
+
+/* The matmul's sums over split rows (2n rows of o, floats or int32), scaled back: y[c] of row i. torch's
+ * add(alpha=) multiplies and adds in one fused step, hence fmaf. */
+typedef struct {
+    const float *f32;
+    const int32_t *i32;
+    int64_t n, o;
+    float fine;
+    const float *scale, *wscale, *bias;
+} Sums;
+
+static inline void combine_row(const Sums *s, int64_t i, float *y) {
+    const float alpha = 1.0f / s->fine, scale = s->scale[i];
+    for (int64_t c = 0; c < s->o; c++) {
+        int64_t h = i * s->o + c, l = (s->n + i) * s->o + c;
+        float high = s->f32 ? s->f32[h] : (float)s->i32[h];
+        float low = s->f32 ? s->f32[l] : (float)s->i32[l];
+        y[c] = fmaf(low, alpha, high) * scale * s->wscale[c];
+    }
+    if (s->bias)
+        for (int64_t c = 0; c < s->o; c++) y[c] += s->bias[c];
+}
