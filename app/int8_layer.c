@@ -3,34 +3,12 @@
  * embeddings and the gated MLP's SiLU. Each row (token) alone, in one fixed order (int8_rows.h). */
 
 #include "int8_rows.h"
-
-#define LANES 16 /* partial sums a reduction keeps: one vector register, always summed in the same order */
+#include "fastmath.h"
 
 /* out = weight * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm in float32. */
 static inline void rms_norm_row(const float *x, int64_t d, const float *weight, float eps, float *out) {
-    float acc[LANES] = {0};
-    int64_t j = 0;
-    for (; j + LANES <= d; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += x[j + l] * x[j + l];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) acc[l] += acc[l + width];
-    float sum = acc[0];
-    for (; j < d; j++) sum += x[j] * x[j];
-    float r = 1.0f / sqrtf(sum / (float)d + eps);
-    for (j = 0; j < d; j++) out[j] = weight[j] * (x[j] * r);
-}
-
-/* e^x to float32's precision (~2 ulp) in plain arithmetic, which the compiler turns into vector code (a call to
- * the C library's expf is one element at a time). x = k ln2 + r, |r| <= ln2 / 2: e^x = 2^k e^r, e^r by its
- * Taylor polynomial to r^7, 2^k written into the exponent bits. Clamped to where 2^k is a normal float. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float k = (x * 1.44269504088896341f + ROUNDER) - ROUNDER; /* round(x / ln2) */
-    float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f; /* ln2 in two parts */
-    float e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120
-                                                                                    + r * (1.0f / 720 + r / 5040))))));
-    union { int32_t i; float f; } two = {.i = ((int32_t)k + 127) << 23};
-    return e * two.f;
+    float r = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (int64_t j = 0; j < d; j++) out[j] = weight[j] * (x[j] * r);
 }
 
 /* Rows of x normed (weight, eps), then split into parts. */

@@ -22,8 +22,8 @@ from app.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_rows.c", "int8_layer.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h",))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_rows.c", "int8_layer.c", "attend_rows.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h", "fastmath.h"))
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
@@ -37,6 +37,7 @@ SIGNATURES = {  # name: (argument types, result type), as the .c files declare t
     "combine_add": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p], None),
     "combine_add_norm_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p, _p, _f32, _f32, _p, _p, _p], None),
     "combine_silu_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _f32, _p, _p, _p], None),
+    "attend_row": ([_p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p], ctypes.c_int),
 }
 
 

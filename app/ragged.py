@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from app.attend_rows import attend_row
 from app.int8_layer import fused_layers
 
 SUPPORTED = frozenset({"llama"})
@@ -209,10 +210,12 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         outs = []
         for i, (row, (a, b), mask) in enumerate(zip(rows, spans, masks)):
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
-            if row.prefix is None:
-                outs.append(_attend(q[:, :, a:b], keys, values, mask, attn.scaling))
-            else:
-                outs.append(_merge(*heads[i], *_attend_lse(q[:, :, a:b], keys, values, mask, attn.scaling)))
+            out = attend_row(q[:, :, a:b], keys, values, attn.scaling, heads.get(i))  # small rows, in C
+            if out is None and row.prefix is None:
+                out = _attend(q[:, :, a:b], keys, values, mask, attn.scaling)
+            elif out is None:
+                out = _merge(*heads[i], *_attend_lse(q[:, :, a:b], keys, values, mask, attn.scaling))
+            outs.append(out)
         out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
         hidden = layers.finish(layer, hidden, out)
     kept = torch.cat([torch.arange(b - row.keep, b) for row, (_, b) in zip(rows, spans)])
