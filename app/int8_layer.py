@@ -29,7 +29,8 @@ def fused_layers(model) -> FusedInt8Layers | None:
     lib = library()
     layer = model.model.layers[0]
     if lib is None or not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up")
-                           and model.config.hidden_act == "silu" and hasattr(model.lm_head, "sums")):
+                           and model.config.hidden_act == "silu" and hasattr(model.lm_head, "sums")
+                           and hasattr(layer.input_layernorm, "variance_epsilon")):
         return None
     return FusedInt8Layers(lib)
 
