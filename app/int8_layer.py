@@ -30,7 +30,8 @@ def fused_layers(model) -> FusedInt8Layers | None:
     layer = model.model.layers[0]
     if lib is None or not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up")
                            and model.config.hidden_act == "silu" and hasattr(model.lm_head, "sums")
-                           and hasattr(layer.input_layernorm, "variance_epsilon")):
+                           and hasattr(layer.input_layernorm, "variance_epsilon")
+                           and getattr(model.config, "partial_rotary_factor", 1.0) == 1.0):  # rotary on whole heads
         return None
     return FusedInt8Layers(lib)
 
@@ -81,6 +82,7 @@ class FusedInt8Layers:
         widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         rotated = (widths[0] + widths[1]) // attn.head_dim
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        assert cos.shape == (n, attn.head_dim), "C rotates whole heads: cos/sin must cover head_dim"
         self.lib.rotate(y.data_ptr(), n, qkv.out_features, rotated, attn.head_dim, cos.data_ptr(), sin.data_ptr())
         return tuple(p.view(1, n, -1, attn.head_dim).transpose(1, 2) for p in y.split(widths, dim=-1))
 

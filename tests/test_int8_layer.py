@@ -168,3 +168,10 @@ def test_without_the_library_the_torch_layers_run(tiny_llama, monkeypatch):
 
 def test_float32_models_run_the_torch_layers(tiny_llama):
     assert fused_layers(tiny_llama.model) is None
+
+
+def test_partial_rotary_models_run_the_torch_layers(tiny_llama):
+    """C rotates whole heads; a model that rotates part of each head keeps transformers' rotary."""
+    model = _int8_tiny(tiny_llama).model
+    model.config.partial_rotary_factor = 0.5
+    assert fused_layers(model) is None
