@@ -50,8 +50,8 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler: the per-token work runs in torch (the same model, slower)")
         return None
-    path = cache_dir() / f"native-{_build_key(compiler)}.so"
     try:
+        path = cache_dir() / f"native-{_build_key(compiler)}.so"
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))

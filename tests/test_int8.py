@@ -188,6 +188,21 @@ def test_a_failed_c_build_leaves_torch_running(monkeypatch, tmp_path, caplog):
         native.library.cache_clear()
 
 
+def test_an_unwritable_cache_folder_leaves_torch_running(monkeypatch, tmp_path, caplog):
+    """Regression: the cache folder's path was taken outside the build's error handling, so a cache folder that
+    cannot be made (here: a file in its way) would have failed the model's load instead of falling back."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TEXTENV_CACHE_DIR", str(blocker / "cache"))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        assert "could not build the C functions" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
 def test_a_model_on_the_exact_kernel_holds_its_weights_at_load(tiny_llama):
     """The exact kernel's weights are held (fbgemm-packed) at load, not by the first question; the q/k/v views,
     which only transformers' own forward reads, on first use."""
