@@ -150,16 +150,20 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        parts, scale = (split_rows_float if self.reads_floats(len(flat)) else split_rows)(flat)
+        parts, scale = self.split(flat)
         return combine_rows(self.sums(parts), scale, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
 
-    def reads_floats(self, tokens: int) -> bool:
-        """Whether an input of this many tokens goes to the exact kernel (parts as floats) or to `_int_mm` (int8)."""
-        return self.exact is not None and (self.few is None or tokens <= self.few)
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of input split into parts, in the dtype this layer's kernel reads for that many tokens."""
+        return (split_rows_float if self.parts_dtype(len(flat)) == torch.float32 else split_rows)(flat)
+
+    def parts_dtype(self, tokens: int) -> torch.dtype:
+        """float32 where an input of this many tokens goes to the exact kernel, int8 where to `_int_mm`."""
+        return torch.float32 if self.exact is not None and (self.few is None or tokens <= self.few) else torch.int8
 
     def sums(self, parts: torch.Tensor) -> torch.Tensor:
         """parts @ weight.T: int32 sums from `_int_mm` for int8 parts, the same sums as floats from the exact
-        kernel for float parts (as `reads_floats` chose)."""
+        kernel for float parts (as `parts_dtype` chose)."""
         if parts.dtype == torch.int8:
             return torch._int_mm(parts, self.weight.t())  # exact: int8 products summed in int32
         return self.exact.mm(parts)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from app.int8_rows import ACT_MAX, FINE
+from app.int8_rows import ACT_MAX, FINE, by_dtype, combine_rows, empty_parts, pointer
 from app.native import library
 
 
@@ -36,10 +36,6 @@ def fused_layers(model) -> FusedInt8Layers | None:
     return FusedInt8Layers(lib)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class FusedInt8Layers:
     """What app.ragged asks of a layer, in the fused calls: q/k/v for attention, then the rest of the layer.
     `hidden` is [1, tokens, width], contiguous float32, and is updated in place."""
@@ -47,27 +43,17 @@ class FusedInt8Layers:
     def __init__(self, lib):
         self.lib = lib  # (every tensor whose address goes to C is held in a local until the call returns)
 
+    @staticmethod
+    def _room(n: int, linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parts (and scales) for n rows of `linear`'s input, in the dtype its kernel reads for n tokens."""
+        return empty_parts(n, linear.in_features, linear.parts_dtype(n))
+
     def _norm_split(self, x: torch.Tensor, norm, linear) -> tuple[torch.Tensor, torch.Tensor]:
         n, d = x.shape
-        parts, scale = self._parts(n, d, linear)
+        parts, scale = self._room(n, linear)
         self.lib.norm_split(x.data_ptr(), n, d, norm.weight.data_ptr(), norm.variance_epsilon, ACT_MAX, FINE,
-                            *self._targets(parts), scale.data_ptr())
+                            *by_dtype(parts), scale.data_ptr())
         return parts, scale
-
-    @staticmethod
-    def _parts(n: int, d: int, linear) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for n rows split for `linear`, in the dtype its kernel reads for n tokens."""
-        dtype = torch.float32 if linear.reads_floats(n) else torch.int8
-        return torch.empty(2 * n, d, dtype=dtype), torch.empty(n, 1)
-
-    @staticmethod
-    def _targets(parts: torch.Tensor) -> tuple[int | None, int | None]:
-        return (parts.data_ptr(), None) if parts.dtype == torch.float32 else (None, parts.data_ptr())
-
-    @staticmethod
-    def _sums(linear, parts: torch.Tensor) -> tuple[torch.Tensor, int | None, int | None]:
-        sums = linear.sums(parts)
-        return sums, *((sums.data_ptr(), None) if sums.dtype == torch.float32 else (None, sums.data_ptr()))
 
     def attention_inputs(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries (rotated), keys (rotated) and values, each [1, heads, tokens, head_dim]."""
@@ -75,10 +61,7 @@ class FusedInt8Layers:
         qkv = attn.qkv_proj
         n = len(x)
         parts, scale = self._norm_split(x, layer.input_layernorm, qkv)
-        sums, floats, ints = self._sums(qkv, parts)
-        y = torch.empty(n, qkv.out_features)
-        self.lib.combine_rows(floats, ints, n, qkv.out_features, FINE, scale.data_ptr(), qkv.scale.data_ptr(),
-                              _ptr(qkv.bias), y.data_ptr())
+        y = combine_rows(qkv.sums(parts), scale, qkv.scale, qkv.bias)
         widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         rotated = (widths[0] + widths[1]) // attn.head_dim
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
@@ -90,36 +73,29 @@ class FusedInt8Layers:
         """The attention's output projection, the residual adds and the MLP, into `hidden`."""
         x, o_proj, mlp = hidden[0], layer.self_attn.o_proj, layer.mlp
         n, width = x.shape
-        out = out.reshape(n, -1).contiguous()
-        parts, scale = self._parts(n, out.shape[1], o_proj)
-        self.lib.split_rows(out.data_ptr(), n, out.shape[1], ACT_MAX, FINE, *self._targets(parts), scale.data_ptr())
-        sums, floats, ints = self._sums(o_proj, parts)
+        parts, scale = o_proj.split(out.reshape(n, -1).contiguous())
+        sums = o_proj.sums(parts)
         # the output projection's residual add, then the MLP's norm and split for gate/up
         norm, gate_up = layer.post_attention_layernorm, mlp.gate_up
-        parts, up_scale = self._parts(n, width, gate_up)
-        self.lib.combine_add_norm_split(floats, ints, n, width, FINE, scale.data_ptr(), o_proj.scale.data_ptr(),
-                                        _ptr(o_proj.bias), x.data_ptr(), norm.weight.data_ptr(),
-                                        norm.variance_epsilon, ACT_MAX, *self._targets(parts), up_scale.data_ptr())
-        sums, floats, ints = self._sums(gate_up, parts)
+        parts, up_scale = self._room(n, gate_up)
+        self.lib.combine_add_norm_split(*by_dtype(sums), n, width, FINE, scale.data_ptr(), o_proj.scale.data_ptr(),
+                                        pointer(o_proj.bias), x.data_ptr(), norm.weight.data_ptr(),
+                                        norm.variance_epsilon, ACT_MAX, *by_dtype(parts), up_scale.data_ptr())
+        sums = gate_up.sums(parts)
         # SiLU(gate) * up, split for the down projection
         down = mlp.down_proj
-        parts, scale = self._parts(n, down.in_features, down)
-        self.lib.combine_silu_split(floats, ints, n, gate_up.out_features, FINE, up_scale.data_ptr(),
-                                    gate_up.scale.data_ptr(), _ptr(gate_up.bias), ACT_MAX, *self._targets(parts),
+        parts, scale = self._room(n, down)
+        self.lib.combine_silu_split(*by_dtype(sums), n, gate_up.out_features, FINE, up_scale.data_ptr(),
+                                    gate_up.scale.data_ptr(), pointer(gate_up.bias), ACT_MAX, *by_dtype(parts),
                                     scale.data_ptr())
-        sums, floats, ints = self._sums(down, parts)
+        sums = down.sums(parts)
         # the down projection's residual add
-        self.lib.combine_add(floats, ints, n, width, FINE, scale.data_ptr(), down.scale.data_ptr(), _ptr(down.bias),
-                             x.data_ptr())
+        self.lib.combine_add(*by_dtype(sums), n, width, FINE, scale.data_ptr(), down.scale.data_ptr(),
+                             pointer(down.bias), x.data_ptr())
         return hidden
 
     def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head, for [1, tokens, width] hidden states."""
-        x, head = hidden[0].contiguous(), model.lm_head
-        n = len(x)
-        parts, scale = self._norm_split(x, model.model.norm, head)
-        sums, floats, ints = self._sums(head, parts)
-        logits = torch.empty(n, head.out_features)
-        self.lib.combine_rows(floats, ints, n, head.out_features, FINE, scale.data_ptr(), head.scale.data_ptr(),
-                              _ptr(head.bias), logits.data_ptr())
-        return logits.unsqueeze(0)
+        head = model.lm_head
+        parts, scale = self._norm_split(hidden[0].contiguous(), model.model.norm, head)
+        return combine_rows(head.sums(parts), scale, head.scale, head.bias).unsqueeze(0)

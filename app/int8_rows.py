@@ -59,9 +59,7 @@ def combine_rows(sums: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Te
         return combine_rows_torch(sums, scale, weight_scale, bias)
     n, width = len(sums) // 2, sums.shape[1]
     out = torch.empty(n, width)
-    floats = sums.dtype == torch.float32
-    lib.combine_rows(sums.data_ptr() if floats else None, None if floats else sums.data_ptr(), n, width, FINE,
-                     scale.data_ptr(), weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+    lib.combine_rows(*by_dtype(sums), n, width, FINE, scale.data_ptr(), weight_scale.data_ptr(), pointer(bias),
                      out.data_ptr())
     return out
 
@@ -72,11 +70,23 @@ def _split(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
         parts, scale = split_rows_torch(x)
         return parts.to(dtype), scale
     n, width = x.shape
-    parts, scale = torch.empty(2 * n, width, dtype=dtype), torch.empty(n, 1)
-    floats = dtype == torch.float32
-    lib.split_rows(x.data_ptr(), n, width, ACT_MAX, FINE, parts.data_ptr() if floats else None,
-                   None if floats else parts.data_ptr(), scale.data_ptr())
+    parts, scale = empty_parts(n, width, dtype)
+    lib.split_rows(x.data_ptr(), n, width, ACT_MAX, FINE, *by_dtype(parts), scale.data_ptr())
     return parts, scale
+
+
+def empty_parts(n: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for n rows split in two parts (int8, or their values as float32) and their scales, for C to fill."""
+    return torch.empty(2 * n, width, dtype=dtype), torch.empty(n, 1)
+
+
+def by_dtype(t: torch.Tensor) -> tuple[int | None, int | None]:
+    """(address, None) for float32 data, (None, address) for int8 or int32: how the C functions take either."""
+    return (t.data_ptr(), None) if t.dtype == torch.float32 else (None, t.data_ptr())
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _fits(x: torch.Tensor) -> bool:
