@@ -6,9 +6,10 @@ with the CPU's VNNI instructions (measured: the LM head 1.6 ms against 11.5 ms i
 a scalar loop, far slower than float32 (a timing at load tells, `int8_matmul_is_fast`); there the same integer
 products run exactly on fbgemm's int8 kernel (`ExactWeight`), else on float hardware.
 
-Where `_int_mm` is fast, few tokens still go to fbgemm's kernel where torch has it (`FEW_TOKENS`): `_int_mm`
-re-lays its weight out at every call, a cost that does not shrink with the tokens, while fbgemm reads a weight
-packed once (a one-row decode step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; README "Model").
+Where `_int_mm` is fast, few tokens (`FEW_TOKENS`) still go to a kernel that reads a weight laid out once:
+`_int_mm` re-lays its weight out at every call, a cost that does not shrink with the tokens (a one-row decode
+step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; README "Model"). That kernel is app.int8_mm's where
+the C library has VNNI (no fixed cost per call), else fbgemm's (~20 us a call).
 
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
 result depends on that token alone: not on the rows batched beside it in a step, nor on how a prefill was
@@ -36,6 +37,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from app import int8_mm
+from app.int8_mm import PackedWeight
 from app.int8_rows import ACT_MAX, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
 from app.native import library
 from app.ragged import supports
@@ -109,44 +112,58 @@ def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return parts @ weight.t()
 
 
-FEW_TOKENS = 8  # where both kernels are fast, inputs of up to this many tokens take the exact one (see to_int8)
+FEW_TOKENS = 8  # where _int_mm is fast, inputs of up to this many tokens take a laid-out weight's kernel (_kernels)
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x in two int8 parts per token."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 exact: bool = False, few: int | None = None):
+                 exact: bool = False, few: int | None = None, packed: bool = False):
         """`exact`: multiply on the exact kernel (ExactWeight) instead of with torch._int_mm: the same bits;
-        `few`: only inputs of up to this many tokens (None: all)."""
+        `packed`: on app.int8_mm's VNNI kernel (int8 parts; the same bits too); `few`: either only for inputs of
+        up to this many tokens (None: all)."""
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
+        assert not (exact and packed), "one kernel for few tokens"
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         self.exact = ExactWeight(weight) if exact else None  # (not a buffer: derived from `weight`, never saved)
+        self.packed = packed
+        self._packed: PackedWeight | None = None  # made by prepare(), or on first use
         self.few = few
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   exact: bool = False, few: int | None = None) -> Int8Linear:
-        values, scale = quantize_rows(weight.detach().float())
-        bias = None if bias is None else bias.detach().float().clone()
-        return cls(values, scale.squeeze(1), bias, exact, few)
+    def prepare(self) -> Int8Linear:
+        """Lay the weight out for its few-token kernel now rather than on first use."""
+        if self.exact is not None:
+            self.exact.prepare()
+        elif self.packed and self._packed is None:
+            self._packed = PackedWeight(self.weight)
+        return self
 
     @classmethod
-    def fused(cls, *linears: nn.Module, exact: bool = False, few: int | None = None) -> Int8Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   exact: bool = False, few: int | None = None, packed: bool = False) -> Int8Linear:
+        values, scale = quantize_rows(weight.detach().float())
+        bias = None if bias is None else bias.detach().float().clone()
+        return cls(values, scale.squeeze(1), bias, exact, few, packed)
+
+    @classmethod
+    def fused(cls, *linears: nn.Module, exact: bool = False, few: int | None = None,
+              packed: bool = False) -> Int8Linear:
         """Layers that read the same input as one: their outputs side by side, in order."""
         biases = [linear.bias for linear in linears]
         bias = None if any(b is None for b in biases) else torch.cat(biases)
-        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact, few)
+        return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact, few, packed)
 
     def rows(self, start: int, stop: int) -> Int8Linear:
         """Output channels start..stop as their own layer, sharing this one's int8 memory (an exact kernel's
         weight is held again for the slice: fbgemm's packed weights cannot be sliced)."""
         bias = None if self.bias is None else self.bias[start:stop]
-        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, self.exact is not None, self.few)
+        return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, self.exact is not None, self.few,
+                          self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -158,15 +175,23 @@ class Int8Linear(nn.Module):
         return (split_rows_float if self.parts_dtype(len(flat)) == torch.float32 else split_rows)(flat)
 
     def parts_dtype(self, tokens: int) -> torch.dtype:
-        """float32 where an input of this many tokens goes to the exact kernel, int8 where to `_int_mm`."""
-        return torch.float32 if self.exact is not None and (self.few is None or tokens <= self.few) else torch.int8
+        """float32 where an input of this many tokens goes to the exact kernel, int8 where to `_int_mm` or the
+        packed one."""
+        return torch.float32 if self.exact is not None and self._few(tokens) else torch.int8
+
+    def _few(self, tokens: int) -> bool:
+        return self.few is None or tokens <= self.few
 
     def sums(self, parts: torch.Tensor) -> torch.Tensor:
-        """parts @ weight.T: int32 sums from `_int_mm` for int8 parts, the same sums as floats from the exact
-        kernel for float parts (as `parts_dtype` chose)."""
-        if parts.dtype == torch.int8:
-            return torch._int_mm(parts, self.weight.t())  # exact: int8 products summed in int32
-        return self.exact.mm(parts)
+        """parts @ weight.T: int32 sums from `_int_mm` or the packed kernel for int8 parts, the same sums as
+        floats from the exact kernel for float parts (as `parts_dtype` chose)."""
+        if parts.dtype != torch.int8:
+            return self.exact.mm(parts)
+        if self.packed and self._few(len(parts) // 2):
+            sums = self.prepare()._packed.mm(parts)
+            if sums is not None:
+                return sums
+        return torch._int_mm(parts, self.weight.t())  # exact: int8 products summed in int32
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -226,23 +251,23 @@ def int8_matmul_is_fast() -> bool:
 
 @torch.no_grad()
 def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None,
-            few: int | None = None) -> None:
+            few: int | None = None, packed: bool = False) -> None:
     """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on the
-    exact kernel (ExactWeight: the same bits as torch._int_mm), for inputs of up to `few` tokens (None: all);
-    exact None: chosen for this CPU (_kernels). `saved`: int8_state() of this model's conversion, taken
+    exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.int8_mm's, for inputs of
+    up to `few` tokens (None: all); exact None: all three chosen for this CPU (_kernels). `saved`: int8_state() of this model's conversion, taken
     instead of quantizing again where it holds a layer (app.model keeps it beside the converted weights)."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
     if exact is None:
-        exact, few = _kernels(model.config)
+        exact, few, packed = _kernels(model.config)
 
     def int8(name: str, *linears: nn.Module) -> Int8Linear:
         weight, scale, bias = (None if saved is None else saved.get(f"{name}.{key}") for key in INT8_KEYS)
         out = sum(linear.out_features for linear in linears)
         if weight is not None and weight.shape == (out, linears[0].in_features) and weight.dtype == torch.int8 \
                 and scale is not None and scale.shape == (out,) and (bias is None) == (linears[0].bias is None):
-            return Int8Linear(weight, scale, bias, exact, few)
-        return Int8Linear.fused(*linears, exact=exact, few=few)
+            return Int8Linear(weight, scale, bias, exact, few, packed)
+        return Int8Linear.fused(*linears, exact=exact, few=few, packed=packed)
 
     for i, layer in enumerate(model.model.layers):
         attn, mlp, at = layer.self_attn, layer.mlp, f"model.layers.{i}"
@@ -253,21 +278,23 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
     model.lm_head = int8("lm_head", model.lm_head)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
     library()  # the C functions, built now (once per CPU kind, ~1 s) rather than by the first question
-    if exact:
-        _prepare_exact(model)
+    if exact or packed:
+        _prepare(model)
 
 
-def _kernels(config) -> tuple[bool, int | None]:
-    """(exact, few) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for everything
-    (where every layer's rows are short enough for it); where it is fast, fbgemm's for few tokens (decode: the
-    same bits, without _int_mm's per-call relayout of the weight) and `_int_mm` for more."""
+def _kernels(config) -> tuple[bool, int | None, bool]:
+    """(exact, few, packed) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for
+    everything (where every layer's rows are short enough for it); where it is fast, a kernel without a fixed
+    cost per call for few tokens (decode: the same bits, without _int_mm's per-call relayout of the weight) and
+    `_int_mm` for more: app.int8_mm's where the library has VNNI, else fbgemm's."""
     if int8_matmul_is_fast():
-        return fbgemm_int8(), FEW_TOKENS
+        packed = int8_mm.available()
+        return fbgemm_int8() and not packed, FEW_TOKENS, packed
     exact = fbgemm_int8() or max(config.hidden_size, config.intermediate_size) <= EXACT_SPAN
     if exact:
         log.info("torch's int8 matmul is slow on this CPU: int8 runs on the exact %s kernel (the same bits)",
                  "fbgemm" if fbgemm_int8() else "float32")
-    return exact, None
+    return exact, None, False
 
 
 INT8_KEYS = ("weight", "scale", "bias")
@@ -287,12 +314,11 @@ def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
             for key in INT8_KEYS if getattr(layer, key) is not None}
 
 
-def _prepare_exact(model: nn.Module) -> None:
-    """Hold every exact weight the ragged pass reads now, two at a time (~1 s for the bundled model on two
-    cores), so that the first question does not pay for it. The q/k/v views (transformers' own forward only)
-    are held on first use."""
+def _prepare(model: nn.Module) -> None:
+    """Lay out every weight the ragged pass reads for its few-token kernel now, two at a time (fbgemm's
+    packing: ~1 s for the bundled model on two cores), so that the first question does not pay for it. The
+    q/k/v views (transformers' own forward only) are laid out on first use."""
     from concurrent.futures import ThreadPoolExecutor
 
-    weights = [layer.exact for layer in _own_layers(model).values()]
     with ThreadPoolExecutor(2, thread_name_prefix="int8-prepare") as pool:
-        list(pool.map(ExactWeight.prepare, weights))
+        list(pool.map(Int8Linear.prepare, _own_layers(model).values()))

@@ -22,11 +22,15 @@ from app.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_rows.c", "int8_layer.c", "attend_rows.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("int8_rows.c", "int8_layer.c", "attend_rows.c", "int8_mm.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h", "fastmath.h"))
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+# the int8 matmul's threads: OpenMP, whose libgomp.so.1 is the one torch has loaded (one pool, not two fighting
+# over the cores); a compiler without OpenMP builds the same functions single-threaded
+OPENMP = "-fopenmp"
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, result type), as the .c files declare them
@@ -38,6 +42,8 @@ SIGNATURES = {  # name: (argument types, result type), as the .c files declare t
     "combine_add_norm_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p, _p, _f32, _f32, _p, _p, _p], None),
     "combine_silu_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _f32, _p, _p, _p], None),
     "attend_row": ([_p, _i64, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p], ctypes.c_int),
+    "mm_int8_available": ([], ctypes.c_int),
+    "mm_int8": ([_p, _i64, _i64, _p, _p, _i64, _p], ctypes.c_int),
 }
 
 
@@ -54,6 +60,7 @@ def library() -> ctypes.CDLL | None:
         path = cache_dir() / f"native-{_build_key(compiler)}.so"
         if not path.exists():
             _build(compiler, path)
+        import torch  # noqa: F401  (loaded first, so the library's libgomp.so.1 is torch's: OPENMP)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         log.warning("could not build the C functions (%s%s): the per-token work runs in torch", error,
@@ -73,16 +80,20 @@ def _build_key(compiler: str) -> str:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    parts = [source.read_text() for source in SOURCES + HEADERS] + [compiler, *FLAGS, cpu]
+    parts = [source.read_text() for source in SOURCES + HEADERS] + [compiler, *FLAGS, OPENMP, cpu]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _build(compiler: str, path: Path) -> None:
     """Compile into a file of this process's own, then move it into place (other processes may build too)."""
     part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(part), "-lm"]
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(part), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        try:
+            subprocess.run([*command, OPENMP], check=True, capture_output=True, text=True, timeout=120)
+        except subprocess.CalledProcessError as error:
+            log.info("building without OpenMP (%s): the int8 matmul runs on one thread", error.stderr.strip()[-200:])
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
         os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)

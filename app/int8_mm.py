@@ -1,0 +1,48 @@
+"""The int8 matmul of few tokens in C with AVX-512 VNNI (app/int8_mm.c), where the CPU has it.
+
+Why: at decode each of a step's 121 matmuls has a few rows, and torch's kernels pay a fixed cost per call that
+is most of such a call: fbgemm's ~20 us (a 576 x 576 layer, two activation rows: 23 us against 5 us here), and
+`_int_mm` lays its weight out again at every call. Here the weight is packed once, at load, for the CPU's
+`vpdpbusd`, and the call is a loop over it split between the model's threads. The sums are integers, so they
+are torch._int_mm's bit for bit (tests/test_int8_mm.py), whatever the threads or rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from app.native import library
+
+BLOCK, GROUP = 32, 4  # output channels per pair of 16-channel blocks; inner values per 32-bit lane
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the C library was built with VNNI (a CPU with avx512_vnni and a compiler that knows it)."""
+    lib = library()
+    return lib is not None and bool(lib.mm_int8_available())
+
+
+class PackedWeight:
+    """An int8 weight [n, k] packed for mm_int8: [n/16, k/4, 16, 4] bytes (padded with zeros), and each output
+    channel's sum of weights (the kernel's unsigned-activation offset)."""
+
+    def __init__(self, weight: torch.Tensor):
+        assert weight.dtype == torch.int8 and weight.dim() == 2
+        n, k = weight.shape
+        padded = F.pad(weight, (0, -k % GROUP, 0, -n % BLOCK))
+        rows, inner = padded.shape
+        self.packed = padded.view(rows // 16, 16, inner // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
+        self.colsum = F.pad(weight.sum(dim=1, dtype=torch.int32), (0, -n % BLOCK)).contiguous()
+        self.out_features, self.in_features = n, k
+
+    def mm(self, parts: torch.Tensor) -> torch.Tensor | None:
+        """parts @ weight.T as int32 sums, for int8 parts [m, k]; None if C could not (no memory)."""
+        assert parts.dtype == torch.int8 and parts.shape[1] == self.in_features and parts.is_contiguous()
+        out = torch.empty(len(parts), self.out_features, dtype=torch.int32)
+        failed = library().mm_int8(parts.data_ptr(), len(parts), self.in_features, self.packed.data_ptr(),
+                                   self.colsum.data_ptr(), self.out_features, out.data_ptr())
+        return None if failed else out

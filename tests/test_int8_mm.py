@@ -1,0 +1,83 @@
+"""The VNNI int8 matmul (app/int8_mm.c): the integer sums of torch._int_mm, bit for bit, for any shape."""
+
+import copy
+
+import pytest
+import torch
+
+from app import int8_mm
+from app.int8 import Int8Linear, to_int8
+from app.int8_mm import PackedWeight
+from app.int8_rows import QMAX
+
+needs_vnni = pytest.mark.skipif(not int8_mm.available(), reason="no AVX-512 VNNI build on this CPU")
+
+
+def _sums(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return parts.long().matmul(weight.long().t()).int()
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", [(960, 576), (7, 5), (33, 64), (100, 130), (576, 1536), (1, 4)])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 17, 40])
+def test_packed_sums_are_the_integer_sums(shape, rows):
+    """Channels and inner sizes off the kernel's blocks (padded), rows off its tiles of 8; parts over the whole
+    signed byte range (the kernel adds 128 to make them unsigned and takes 128 * a channel's sum off again)."""
+    out, inner = shape
+    gen = torch.Generator().manual_seed(out * inner + rows)
+    weight = torch.randint(-QMAX, QMAX + 1, shape, generator=gen, dtype=torch.int8)
+    parts = torch.randint(-128, 128, (rows, inner), generator=gen, dtype=torch.int8)
+    assert torch.equal(PackedWeight(weight).mm(parts), _sums(parts, weight))
+
+
+@needs_vnni
+def test_packed_sums_at_their_largest():
+    """Every product at its largest magnitude, both signs: int32 sums far beyond int16, no saturation."""
+    weight = torch.full((64, 1536), -QMAX, dtype=torch.int8)
+    weight[3] = QMAX
+    parts = torch.full((4, 1536), -128, dtype=torch.int8)
+    parts[1] = 127
+    assert torch.equal(PackedWeight(weight).mm(parts), _sums(parts, weight))
+
+
+@needs_vnni
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_sums_do_not_depend_on_threads(threads):
+    weight = torch.randint(-QMAX, QMAX + 1, (3072, 576), dtype=torch.int8)
+    parts = torch.randint(-63, 64, (6, 576), dtype=torch.int8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)  # (the library runs on the calling thread's OpenMP team: torch's)
+        assert torch.equal(PackedWeight(weight).mm(parts), _sums(parts, weight))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_vnni
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 9])
+def test_a_layer_on_the_packed_kernel_gives_int_mm_bits_on_either_side_of_few(tokens):
+    torch.manual_seed(tokens)
+    weight, bias = torch.randn(96, 576), torch.randn(96)
+    on_int8 = Int8Linear.from_float(weight, bias)
+    packed = Int8Linear.from_float(weight, bias, few=4, packed=True)
+    x = torch.randn(tokens, 576) * 20
+    assert packed.parts_dtype(tokens) == torch.int8
+    assert torch.equal(on_int8(x), packed(x)) and torch.equal(on_int8.rows(3, 40)(x), packed.rows(3, 40)(x))
+
+
+@needs_vnni
+def test_a_model_on_the_packed_kernel_lays_out_its_weights_at_load_and_keeps_its_bits(tiny_llama):
+    from transformers import LlamaForCausalLM
+
+    plain = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
+    plain.load_state_dict(tiny_llama.model.state_dict())
+    packed = copy.deepcopy(plain)
+    to_int8(plain, exact=False)
+    to_int8(packed, exact=False, few=8, packed=True)
+    attn = packed.model.layers[0].self_attn
+    assert attn.qkv_proj._packed is not None and packed.lm_head._packed is not None
+    assert attn.q_proj._packed is None  # (a view only transformers' own forward reads: laid out on first use)
+    ids = torch.randint(5, 1000, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        for n in (12, 1, 3):  # 12 tokens through _int_mm, 1 and 3 through the packed kernel
+            assert torch.equal(packed(ids[:, :n]).logits, plain(ids[:, :n]).logits)
