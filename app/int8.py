@@ -39,7 +39,14 @@ from torch import nn
 
 from app import int8_mm
 from app.int8_mm import PackedWeight
-from app.int8_rows import ACT_MAX, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
+from app.int8_rows import (
+    ACT_MAX,
+    QMAX,
+    combine_rows,
+    quantize_rows,
+    split_rows,
+    split_rows_float,
+)
 from app.native import library
 from app.ragged import supports
 
