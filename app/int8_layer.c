@@ -5,6 +5,8 @@
 #include "int8_rows.h"
 #include "fastmath.h"
 
+#include <stdlib.h>
+
 /* out = weight * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm in float32. */
 static inline void rms_norm_row(const float *x, int64_t d, const float *weight, float eps, float *out) {
     float r = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
@@ -71,4 +73,75 @@ void combine_silu_split(const float *sums_f32, const int32_t *sums_i32, int64_t 
         for (int64_t j = 0; j < m; j++) y[j] = y[j] / (1.0f + exp_approx(-y[j])) * y[m + j];
         split_row(y, m, i, &p);
     }
+}
+
+/* ---- The same layer with its matmuls on the packed VNNI kernel (app/int8_mm.c): the work before attention in
+ * one call, the work after it in another, where a layer took ~10 calls from Python (few tokens only: the kernel's
+ * cost grows with the rows). The same functions as above in the same order, so the same bits. */
+
+/* An int8 layer as mm_int8 reads it (app/int8_layer.py builds it from an Int8Linear). */
+typedef struct {
+    const int8_t *packed;
+    const int32_t *colsum;
+    const float *wscale, *bias;
+    int64_t in, out;
+} Linear;
+
+int mm_int8(const int8_t *parts, int64_t m, int64_t k, const int8_t *packed, const int32_t *colsum, int64_t n,
+            int32_t *out);
+
+static int mm(const Linear *l, const int8_t *parts, int64_t n, int32_t *sums) {
+    return mm_int8(parts, 2 * n, l->in, l->packed, l->colsum, l->out, sums);
+}
+
+/* Room for one call: parts of up to `width` values a row, sums of up to `outs`, two sets of scales. */
+typedef struct {
+    int8_t *parts;
+    int32_t *sums;
+    float *scale, *scale2;
+} Room;
+
+static int room(Room *r, int64_t n, int64_t width, int64_t outs) {
+    r->parts = malloc((size_t)(2 * n * width));
+    r->sums = malloc(sizeof(int32_t) * (size_t)(2 * n * outs));
+    r->scale = malloc(sizeof(float) * (size_t)(2 * n));
+    r->scale2 = r->scale ? r->scale + n : NULL;
+    return r->parts && r->sums && r->scale ? 0 : -1;
+}
+
+static int done(Room *r, int status) {
+    free(r->parts), free(r->sums), free(r->scale);
+    return status;
+}
+
+/* y = rotary(qkv(norm(x))) for n rows of d: the first `rotated` heads of `dim` rotated (queries and keys).
+ * Returns 0, or -1 without memory or VNNI. */
+int qkv_packed(const float *x, int64_t n, int64_t d, const float *norm, float eps, float act_max, float fine,
+               const Linear *qkv, int64_t rotated, int64_t dim, const float *cos, const float *sin, float *y) {
+    Room r;
+    if (room(&r, n, d, qkv->out)) return done(&r, -1);
+    norm_split(x, n, d, norm, eps, act_max, fine, NULL, r.parts, r.scale);
+    if (mm(qkv, r.parts, n, r.sums)) return done(&r, -1);
+    combine_rows(NULL, r.sums, n, qkv->out, fine, r.scale, qkv->wscale, qkv->bias, y);
+    rotate(y, n, qkv->out, rotated, dim, cos, sin);
+    return done(&r, 0);
+}
+
+/* hidden (n rows of d) += o(attention); then hidden += down(silu(gate) * up) of its norm: the rest of the layer.
+ * Returns 0, or -1 without memory or VNNI (hidden may then be half updated: the caller's pass fails). */
+int finish_packed(const float *attention, int64_t n, float *hidden, const Linear *o, const float *norm, float eps,
+                  const Linear *gate_up, const Linear *down, float act_max, float fine) {
+    int64_t d = o->out, widest = o->in > down->in ? o->in : down->in;
+    Room r;
+    if (room(&r, n, widest > d ? widest : d, gate_up->out > d ? gate_up->out : d)) return done(&r, -1);
+    split_rows(attention, n, o->in, act_max, fine, NULL, r.parts, r.scale);
+    if (mm(o, r.parts, n, r.sums)) return done(&r, -1);
+    combine_add_norm_split(NULL, r.sums, n, d, fine, r.scale, o->wscale, o->bias, hidden, norm, eps, act_max, NULL,
+                           r.parts, r.scale2);
+    if (mm(gate_up, r.parts, n, r.sums)) return done(&r, -1);
+    combine_silu_split(NULL, r.sums, n, gate_up->out, fine, r.scale2, gate_up->wscale, gate_up->bias, act_max,
+                       NULL, r.parts, r.scale);
+    if (mm(down, r.parts, n, r.sums)) return done(&r, -1);
+    combine_add(NULL, r.sums, n, d, fine, r.scale, down->wscale, down->bias, hidden);
+    return done(&r, 0);
 }

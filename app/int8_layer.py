@@ -17,6 +17,8 @@ layers as torch modules instead.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from app.int8_rows import ACT_MAX, FINE, by_dtype, combine_rows, empty_parts, pointer
@@ -58,25 +60,38 @@ class FusedInt8Layers:
     def attention_inputs(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries (rotated), keys (rotated) and values, each [1, heads, tokens, head_dim]."""
         attn, x = layer.self_attn, hidden[0]
-        qkv = attn.qkv_proj
+        qkv, norm = attn.qkv_proj, layer.input_layernorm
         n = len(x)
-        parts, scale = self._norm_split(x, layer.input_layernorm, qkv)
-        y = combine_rows(qkv.sums(parts), scale, qkv.scale, qkv.bias)
         widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         rotated = (widths[0] + widths[1]) // attn.head_dim
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         assert cos.shape == (n, attn.head_dim), "C rotates whole heads: cos/sin must cover head_dim"
-        self.lib.rotate(y.data_ptr(), n, qkv.out_features, rotated, attn.head_dim, cos.data_ptr(), sin.data_ptr())
+        if _packed(n, qkv):
+            y = torch.empty(n, qkv.out_features)
+            _check(self.lib.qkv_packed(x.data_ptr(), n, x.shape[1], norm.weight.data_ptr(), norm.variance_epsilon,
+                                       ACT_MAX, FINE, ctypes.byref(_linear(qkv)), rotated, attn.head_dim,
+                                       cos.data_ptr(), sin.data_ptr(), y.data_ptr()))
+        else:
+            parts, scale = self._norm_split(x, norm, qkv)
+            y = combine_rows(qkv.sums(parts), scale, qkv.scale, qkv.bias)
+            self.lib.rotate(y.data_ptr(), n, qkv.out_features, rotated, attn.head_dim, cos.data_ptr(),
+                            sin.data_ptr())
         return tuple(p.view(1, n, -1, attn.head_dim).transpose(1, 2) for p in y.split(widths, dim=-1))
 
     def finish(self, layer, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The attention's output projection, the residual adds and the MLP, into `hidden`."""
         x, o_proj, mlp = hidden[0], layer.self_attn.o_proj, layer.mlp
         n, width = x.shape
-        parts, scale = o_proj.split(out.reshape(n, -1).contiguous())
+        norm, gate_up = layer.post_attention_layernorm, mlp.gate_up
+        out = out.reshape(n, -1).contiguous()
+        if _packed(n, o_proj, gate_up, mlp.down_proj):
+            _check(self.lib.finish_packed(out.data_ptr(), n, x.data_ptr(), ctypes.byref(_linear(o_proj)),
+                                          norm.weight.data_ptr(), norm.variance_epsilon, ctypes.byref(_linear(gate_up)),
+                                          ctypes.byref(_linear(mlp.down_proj)), ACT_MAX, FINE))
+            return hidden
+        parts, scale = o_proj.split(out)
         sums = o_proj.sums(parts)
         # the output projection's residual add, then the MLP's norm and split for gate/up
-        norm, gate_up = layer.post_attention_layernorm, mlp.gate_up
         parts, up_scale = self._room(n, gate_up)
         self.lib.combine_add_norm_split(*by_dtype(sums), n, width, FINE, scale.data_ptr(), o_proj.scale.data_ptr(),
                                         pointer(o_proj.bias), x.data_ptr(), norm.weight.data_ptr(),
@@ -99,3 +114,32 @@ class FusedInt8Layers:
         head = model.lm_head
         parts, scale = self._norm_split(hidden[0].contiguous(), model.model.norm, head)
         return combine_rows(head.sums(parts), scale, head.scale, head.bias).unsqueeze(0)
+
+
+class Linear(ctypes.Structure):
+    """An int8 layer as app/int8_layer.c's packed functions read it (its `Linear`)."""
+
+    _fields_ = [("packed", ctypes.c_void_p), ("colsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+
+def _packed(tokens: int, *linears) -> bool:
+    """Whether these layers run on the packed kernel for this many tokens (then one C call does their work)."""
+    return all(linear.packed and linear._few(tokens) for linear in linears)
+
+
+def _linear(linear) -> Linear:
+    """The C view of an Int8Linear on the packed kernel, made once per layer (its tensors never move; the
+    struct is kept on the layer, with them)."""
+    made = linear.__dict__.get("_c_linear")
+    if made is None:
+        weight = linear.prepare()._packed
+        made = Linear(weight.packed.data_ptr(), weight.colsum.data_ptr(), linear.scale.data_ptr(),
+                      pointer(linear.bias), linear.in_features, linear.out_features)
+        linear.__dict__["_c_linear"] = made
+    return made
+
+
+def _check(status: int) -> None:
+    if status:
+        raise MemoryError("the packed int8 layer could not get memory")

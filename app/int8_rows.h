@@ -68,3 +68,9 @@ static inline void combine_row(const Sums *s, int64_t i, float *y) {
     if (s->bias)
         for (int64_t c = 0; c < s->o; c++) y[c] += s->bias[c];
 }
+
+/* int8_rows.c's functions, which int8_layer.c calls too */
+void split_rows(const float *x, int64_t n, int64_t d, float act_max, float fine, float *parts_f32,
+                int8_t *parts_i8, float *scale);
+void combine_rows(const float *both_f32, const int32_t *both_i32, int64_t n, int64_t o, float fine,
+                  const float *scale, const float *wscale, const float *bias, float *out);

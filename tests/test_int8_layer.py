@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from app import native, ragged
+from app import int8_layer, int8_mm, native, ragged
+from app.int8 import FEW_TOKENS, Int8Linear
 from app.int8_layer import fused_layers
 from app.int8_rows import ACT_MAX, FINE, combine_rows_torch
 from app.kvcache import new_kv
@@ -175,3 +176,47 @@ def test_partial_rotary_models_run_the_torch_layers(tiny_llama):
     model = _int8_tiny(tiny_llama).model
     model.config.partial_rotary_factor = 0.5
     assert fused_layers(model) is None
+
+
+@pytest.mark.skipif(not int8_mm.available(), reason="no AVX-512 VNNI build on this CPU")
+@pytest.mark.parametrize("which", ["tiny_llama", "real"])
+def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, request, monkeypatch):
+    """qkv_packed and finish_packed (one C call each, matmuls on app.int8_mm) against the same pieces called one
+    by one with _int_mm's sums: the same functions in the same order, so the same bits. A pass of 1 + 3 + 4
+    tokens (packed: up to FEW_TOKENS), rows with and without a shared prefix, after a long past."""
+    loaded = _int8_tiny(request.getfixturevalue(which)) if which == "tiny_llama" else real_int8(request)
+    model = loaded.model
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert all(m.packed for m in linears)
+    ids = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(8)).tolist()
+    prefix = new_kv(model.config)
+    with torch.inference_mode():
+        ragged_forward(model, [Row(prefix, ids[:100], 0, 1)])
+
+    def rows() -> list[Row]:
+        past = new_kv(model.config)
+        ragged_forward(model, [Row(past, ids[:150], 0, 1)])
+        return [Row(new_kv(model.config), ids[:1], 0, 1), Row(new_kv(model.config), ids[100:103], 100, 3, prefix),
+                Row(past, ids[150:154], 150, 4)]
+
+    assert sum(len(row.ids) for row in rows()) <= FEW_TOKENS
+    real, chosen = int8_layer._packed, []
+
+    def counted(tokens: int, *linears) -> bool:
+        chosen.append(real(tokens, *linears))
+        return chosen[-1]
+
+    monkeypatch.setattr(int8_layer, "_packed", counted)
+    with torch.inference_mode():
+        few = rows()
+        chosen.clear()
+        packed = ragged_forward(model, few)
+        assert chosen == [True] * 2 * len(model.model.layers)  # (the packed calls ran: one before, one after attention)
+        for m in linears:
+            m.packed = False
+        try:
+            pieces = ragged_forward(model, rows())
+        finally:
+            for m in linears:
+                m.packed = True
+    assert all(torch.equal(a, b) for a, b in zip(packed, pieces))
