@@ -1,46 +1,73 @@
-"""A row's attention in C (app/attend_rows.c) where it has few queries over few keys: a decoding row early in
-its session, or a few drafted tokens.
+"""The attention of every row with few new tokens in one C call a layer (app/attend_rows.c): decoding rows and
+their drafts, whatever the length of their past or of their shared prefix.
 
-Why: PyTorch's CPU flash kernel costs ~37 us a call whatever the work, and a ragged step makes one call per row
-and layer (240 for 8 rows), plus four small operations per row to merge it with the shared prefix's part. One
-C call does both in 14 us for one query over 50 keys, 23 us over 100 (9 heads; 58 against 45 us over 300, where
-the kernel's blocked matmuls win, so longer rows stay with it). A row's path depends on its own query and key
-counts only, and C computes each query alone, so a row's bits never depend on the rows beside it.
+Why: per row and layer the ragged pass made a PyTorch flash call for the shared prefix's part (grouped for the
+rows that read it), a cache write, a call for the row's own part and a merge of the two by log-sum-exp: ~20 us of
+dispatch each, most of an 8-row step's attention (8 rows over the 800-token prompt: ~19 of ~47 ms a step), and
+PyTorch's flash kernel costs ~37 us a call whatever the work. Here one call a layer writes every such row's new
+keys/values into its cache's room (kvcache.GrowingLayer.reserve) and computes each new query over the prefix's
+keys and its own as one softmax, (row, head) pairs shared between the model's threads. Each query is computed
+alone in a fixed order, so a row's bits never depend on the rows beside it; rows with many new tokens (prefill
+chunks) stay with the flash kernel's blocked matmuls.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from app.native import library
 
-WORK_IN_C = 256  # up to this many query x key pairs a row's attention runs in C (measured crossing: ~200-300)
+BATCH_TOKENS = 16  # rows of up to this many new tokens attend here; longer ones (prefill) in PyTorch's kernel
 
 
-def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               prefix: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-    """One row's causal attention of its n new queries ([1, heads, n, dim]) over its past + n keys ([1, groups,
-    past + n, dim]), merged with its attention over a shared prefix (output, log-sum-exp) if given; None where
-    the row is too big for C or its tensors are not laid out for it (the caller then runs PyTorch's kernel)."""
-    lib = library()
-    _, heads, n, dim = query.shape
-    length = keys.shape[2]
-    if lib is None or n * length > WORK_IN_C or not _fits(query, keys, values, prefix):
-        return None
-    out = torch.empty(n, heads, dim)
-    head_out, head_lse = prefix if prefix is not None else (None, None)
-    failed = lib.attend_row(query.data_ptr(), query.stride(1), query.stride(2), n, keys.data_ptr(),
-                            values.data_ptr(), keys.stride(1), length - n, heads, keys.shape[1], dim, scale,
-                            None if head_out is None else head_out.data_ptr(),
-                            None if head_lse is None else head_lse.data_ptr(), out.data_ptr())
+class RowKV(ctypes.Structure):
+    """A row as attend_batch reads it (attend_rows.c's RowKV); strides in floats."""
+
+    _fields_ = [("first", ctypes.c_int64), ("n", ctypes.c_int64), ("keys", ctypes.c_void_p),
+                ("values", ctypes.c_void_p), ("group_stride", ctypes.c_int64), ("past", ctypes.c_int64),
+                ("prefix_keys", ctypes.c_void_p), ("prefix_values", ctypes.c_void_p),
+                ("prefix_stride", ctypes.c_int64), ("prefix_len", ctypes.c_int64)]
+
+
+def batched(tokens: int, kv, prefix) -> bool:
+    """Whether a row of this many new tokens, its cache (app.kvcache.new_kv's) and its shared prefix (or None)
+    attend here: decided by the row alone, so its path never depends on the rows beside it."""
+    if library() is None or tokens > BATCH_TOKENS or not all(hasattr(layer, "reserve") for layer in kv.layers):
+        return False
+    return prefix is None or all(_readable(layer) for layer in prefix.layers)
+
+
+def _readable(layer) -> bool:
+    """Whether C can read a prefix layer's keys/values in place: float32 positions of head_dim values apart."""
+    if not layer.is_initialized or layer.keys.numel() == 0:
+        return False
+    keys, values = layer.keys, layer.values
+    return (keys.dtype == values.dtype == torch.float32 and keys.stride() == values.stride()
+            and keys.stride(-1) == 1 and keys.stride(-2) == keys.shape[-1])
+
+
+def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, spans: list[tuple[int, int]],
+                 index: int, scale: float, out: torch.Tensor) -> None:
+    """Rows' attention in layer `index`: q [1, heads, tokens, dim], k and v [1, groups, tokens, dim] of the whole
+    pass (any strides); `rows` (app.ragged.Row) own tokens spans[i] of it. Extends each row's cache by its new
+    keys/values and writes its tokens' outputs into out [tokens, heads, dim]."""
+    _, heads, _, dim = q.shape
+    groups = k.shape[1]
+    table = (RowKV * len(rows))()
+    held = []  # (the storages whose addresses go to C, alive until it returns)
+    for entry, row, (a, b) in zip(table, rows, spans):
+        keys, values, past = row.kv.layers[index].reserve(k[:, :, a:b], v[:, :, a:b])
+        entry.first, entry.n, entry.keys, entry.values = a, b - a, keys.data_ptr(), values.data_ptr()
+        entry.group_stride, entry.past = keys.stride(1), past
+        held += [keys, values]
+        if row.prefix is not None:
+            layer = row.prefix.layers[index]
+            entry.prefix_keys, entry.prefix_values = layer.keys.data_ptr(), layer.values.data_ptr()
+            entry.prefix_stride, entry.prefix_len = layer.keys.stride(1), layer.keys.shape[2]
+    failed = library().attend_batch(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
+                                    v.data_ptr(), v.stride(1), v.stride(2), table, len(rows), heads, groups, dim,
+                                    scale, out.data_ptr())
     if failed:
-        raise MemoryError("attend_row: no memory for a row's scores")
-    return out.view(1, n, heads, dim).transpose(1, 2)
-
-
-def _fits(query, keys, values, prefix) -> bool:
-    dim = query.shape[-1]
-    tensors = [query, keys, values, *(prefix or ())]
-    return (all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and query.stride(-1) == 1
-            and keys.stride(-1) == 1 and keys.stride(2) == dim and values.stride() == keys.stride()
-            and (prefix is None or all(t.is_contiguous() for t in prefix)))
+        raise MemoryError("attend_batch: no memory for a row's scores")

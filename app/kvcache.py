@@ -32,6 +32,15 @@ class GrowingLayer(DynamicLayer):
     _storage: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values, n = self.reserve(key_states, value_states)
+        keys[..., n:n + key_states.shape[-2], :], values[..., n:n + key_states.shape[-2], :] = key_states, value_states
+        return self.keys, self.values
+
+    def reserve(self, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for key_states' positions after the n held: (key storage, value storage, n), each storage
+        contiguous [..., room, head_dim]. The layer covers the new positions from now on, so the caller writes
+        them before anything reads it (update; app.attend_rows.attend_batch, in C)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.get_seq_length()
@@ -43,9 +52,8 @@ class GrowingLayer(DynamicLayer):
                 grown[0][..., :n, :], grown[1][..., :n, :] = self.keys, self.values
             self._storage = grown
         keys, values = self._storage
-        keys[..., n:need, :], values[..., n:need, :] = key_states, value_states
         self.keys, self.values = keys[..., :need, :], values[..., :need, :]
-        return self.keys, self.values
+        return keys, values, n
 
 
 def new_kv(config) -> DynamicCache:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from app.attend_rows import attend_row
+from app.attend_rows import attend_batch, batched
 from app.int8_layer import fused_layers
 
 SUPPORTED = frozenset({"llama"})
@@ -106,11 +106,12 @@ def _attend_blocks(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out[:, :, :m], lse[:, :, :m]
 
 
-def _prefix_readers(rows: list[Row]) -> list[list[int]]:
-    """The rows that read each shared prefix (row numbers, one list per prefix): the same in every layer."""
+def _prefix_readers(rows: list[Row], skip: set[int]) -> list[list[int]]:
+    """The rows that read each shared prefix (row numbers, one list per prefix; rows in `skip` read theirs in
+    attend_batch): the same in every layer."""
     readers: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
-        if row.prefix is not None:
+        if row.prefix is not None and i not in skip:
             readers.setdefault(id(row.prefix), []).append(i)
     return list(readers.values())
 
@@ -199,7 +200,9 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     masks = [causal_mask(len(row.ids), row.start - before, None if row.prefix is None else repeat)
              for row, before in zip(rows, shared)]
-    readers = _prefix_readers(rows)
+    few = [i for i, row in enumerate(rows) if batched(len(row.ids), row.kv, row.prefix)]  # (attend_rows, in C)
+    rest = [i for i in range(len(rows)) if i not in set(few)]
+    readers = _prefix_readers(rows, set(few))
     layers = fused_layers(model) or TORCH_LAYERS
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
@@ -207,17 +210,18 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         attn = layer.self_attn
         q, k, v = layers.attention_inputs(layer, hidden, cos, sin)
         heads = _prefix_attention(q, rows, spans, readers, index, attn.scaling)
-        outs = []
-        for i, (row, (a, b), mask) in enumerate(zip(rows, spans, masks)):
+        out = torch.empty(at, q.shape[1], q.shape[3])
+        if few:
+            attend_batch(q, k, v, [rows[i] for i in few], [spans[i] for i in few], index, attn.scaling, out)
+        for i in rest:
+            row, (a, b), mask = rows[i], spans[i], masks[i]
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
-            out = attend_row(q[:, :, a:b], keys, values, attn.scaling, heads.get(i))  # small rows, in C
-            if out is None and row.prefix is None:
-                out = _attend(q[:, :, a:b], keys, values, mask, attn.scaling)
-            elif out is None:
-                out = _merge(*heads[i], *_attend_lse(q[:, :, a:b], keys, values, mask, attn.scaling))
-            outs.append(out)
-        out = torch.cat(outs, dim=2).transpose(1, 2).reshape(1, at, -1)
-        hidden = layers.finish(layer, hidden, out)
+            if row.prefix is None:
+                part = _attend(q[:, :, a:b], keys, values, mask, attn.scaling)
+            else:
+                part = _merge(*heads[i], *_attend_lse(q[:, :, a:b], keys, values, mask, attn.scaling))
+            out[a:b] = part[0].transpose(0, 1)
+        hidden = layers.finish(layer, hidden, out.view(1, at, -1))
     kept = torch.cat([torch.arange(b - row.keep, b) for row, (_, b) in zip(rows, spans)])
     logits = layers.logits(model, hidden[:, kept])[0]
     return list(logits.split([row.keep for row in rows]))

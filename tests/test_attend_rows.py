@@ -1,61 +1,145 @@
-"""A row's attention in C (app.attend_rows) against PyTorch's kernels, which every bigger row still takes."""
+"""Rows with few new tokens attending in one C call a layer (app.attend_rows) against PyTorch's SDPA, which every
+longer row still takes: outputs, the keys/values written into each row's cache, and bits that depend on the row
+alone (not on the rows beside it, nor on the threads)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
+from transformers import DynamicCache, LlamaConfig
 
 from app import native
-from app.attend_rows import WORK_IN_C, attend_row
-from app.ragged import _attend, _attend_lse, _merge, causal_mask
+from app.attend_rows import BATCH_TOKENS, attend_batch, batched
+from app.kvcache import new_kv
+from app.ragged import _attend, causal_mask
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here (PyTorch's kernel runs)")
 
 
-def _row(n: int, length: int, heads: int, groups: int, seed: int, dim: int = 64):
+@dataclass
+class Case:
+    n: int  # new tokens
+    past: int  # positions its own cache holds
+    shared: int  # positions of its shared prefix (0: none)
+
+
+@dataclass
+class FakeRow:
+    kv: DynamicCache
+    prefix: DynamicCache | None
+
+
+def _config(heads: int, groups: int, dim: int) -> LlamaConfig:
+    return LlamaConfig(num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=groups,
+                       hidden_size=heads * dim, head_dim=dim)
+
+
+def _filled(config, length: int, gen: torch.Generator) -> DynamicCache | None:
+    if not length:
+        return None
+    kv = new_kv(config)
+    groups, dim = config.num_key_value_heads, config.head_dim
+    kv.layers[0].update(torch.randn(1, groups, length, dim, generator=gen), torch.randn(1, groups, length, dim,
+                                                                                        generator=gen))
+    return kv
+
+
+def _pass(cases: list[Case], heads: int, groups: int, dim: int, seed: int):
+    """The rows of `cases` with their caches, and one pass's q/k/v laid out as the fused layer has them (views
+    of one [tokens, width] tensor: strides between heads of dim, between tokens of width)."""
     gen = torch.Generator().manual_seed(seed)
-    query = torch.randn(1, n, heads, dim, generator=gen).transpose(1, 2)  # laid out as the ragged pass has it
-    keys, values = (torch.randn(1, groups, length, dim, generator=gen) for _ in range(2))
-    return query, keys, values
+    config = _config(heads, groups, dim)
+    rows = []
+    for case in cases:
+        own = _filled(config, case.past, gen) or new_kv(config)
+        rows.append(FakeRow(own, _filled(config, case.shared, gen)))
+    tokens = sum(case.n for case in cases)
+    y = torch.randn(tokens, (heads + 2 * groups) * dim, generator=gen)
+    q, k, v = (p.view(1, tokens, -1, dim).transpose(1, 2) for p in y.split([heads * dim, groups * dim,
+                                                                            groups * dim], dim=-1))
+    spans, at = [], 0
+    for case in cases:
+        spans.append((at, at + case.n))
+        at += case.n
+    return rows, spans, q, k, v
 
 
-@pytest.mark.parametrize("n,length", [(1, 1), (1, 50), (1, WORK_IN_C), (3, 40), (8, 30)])
-@pytest.mark.parametrize("heads,groups", [(9, 3), (4, 4)])
-def test_a_row_alone_matches_sdpa(n, length, heads, groups):
-    query, keys, values = _row(n, length, heads, groups, n * length)
-    got = attend_row(query, keys, values, 0.125, None)
-    want = _attend(query, keys, values, causal_mask(n, length - n, None), 0.125)
-    assert got.shape == want.shape and torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+def _reference(row: FakeRow, case: Case, q, k, v, span, scale: float) -> torch.Tensor:
+    """SDPA over the prefix, the cache before the pass and the new keys, causal for the new queries: [n, heads,
+    dim]."""
+    a, b = span
+    layers = [row.prefix.layers[0]] if row.prefix is not None else []
+    held = [(layer.keys, layer.values) for layer in layers]
+    if case.past:  # (before the pass: the cache grows by the new keys in it)
+        held.append((row.kv.layers[0].keys[:, :, :case.past], row.kv.layers[0].values[:, :, :case.past]))
+    keys = torch.cat([part[0] for part in held] + [k[:, :, a:b]], dim=2)
+    values = torch.cat([part[1] for part in held] + [v[:, :, a:b]], dim=2)
+    return _attend(q[:, :, a:b], keys, values, causal_mask(case.n, keys.shape[2] - case.n, None), scale)[0] \
+        .transpose(0, 1)
 
 
-@pytest.mark.parametrize("n,length", [(1, 1), (1, 100), (4, 60)])
-def test_a_row_reading_a_shared_prefix_matches_the_cascade_merge(n, length):
-    query, keys, values = _row(n, length, 9, 3, 100 + n)
-    gen = torch.Generator().manual_seed(n)
-    head = torch.randn(1, 9, n, 64, generator=gen), torch.randn(1, 9, n, generator=gen) * 3
-    got = attend_row(query, keys, values, 0.125, head)
-    want = _merge(*head, *_attend_lse(query, keys, values, causal_mask(n, length - n, 3), 0.125))
-    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+CASES = [
+    [Case(1, 0, 0)],  # a new session's first token, no prefix
+    [Case(1, 100, 0), Case(3, 40, 800), Case(1, 0, 30), Case(16, 5, 0)],
+    [Case(8, 1500, 0), Case(2, 17, 900)],
+]
 
 
-def test_rows_past_the_work_limit_go_to_pytorch():
-    assert attend_row(*_row(1, WORK_IN_C + 1, 9, 3, 1), 0.125, None) is None
-    assert attend_row(*_row(2, WORK_IN_C // 2 + 1, 9, 3, 2), 0.125, None) is None
+@pytest.mark.parametrize("cases", CASES)
+@pytest.mark.parametrize("heads,groups,dim", [(9, 3, 64), (4, 2, 16), (4, 4, 64)])  # (64: the AVX-512 path)
+def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups, dim):
+    rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=len(cases) + heads)
+    want = [_reference(row, case, q, k, v, span, 0.125) for row, case, span in zip(rows, cases, spans)]
+    out = torch.full((q.shape[2], heads, dim), float("nan"))
+    attend_batch(q, k, v, rows, spans, 0, 0.125, out)
+    for row, case, (a, b), expected in zip(rows, cases, spans, want):
+        assert torch.allclose(out[a:b], expected, atol=2e-6, rtol=1e-5)
+        layer = row.kv.layers[0]
+        assert layer.keys.shape[2] == case.past + case.n
+        assert torch.equal(layer.keys[:, :, case.past:], k[:, :, a:b]) and torch.equal(layer.values[:, :, case.past:],
+                                                                                      v[:, :, a:b])
 
 
-def test_a_query_gets_the_same_bits_wherever_its_tensor_lies():
-    """The ragged pass hands C a slice of the step's queries: the offset and the neighbours change nothing."""
-    query, keys, values = _row(1, 80, 9, 3, 5)
-    alone = attend_row(query, keys, values, 0.125, None)
-    step = torch.cat([torch.randn(1, 9, 5, 64), query, torch.randn(1, 9, 2, 64)], dim=2)
-    assert torch.equal(attend_row(step[:, :, 5:6], keys, values, 0.125, None), alone)
+@pytest.mark.parametrize("dim", [64, 16])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(dim):
+    cases = [Case(1, 100, 800), Case(3, 40, 800), Case(2, 700, 0)]
+
+    def alone_and_together(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # (the C call runs on the calling thread's OpenMP team: torch's)
+        try:
+            rows, spans, q, k, v = _pass(cases, 9, 3, dim, seed=4)
+            together = torch.empty(q.shape[2], 9, dim)
+            attend_batch(q, k, v, rows, spans, 0, 0.125, together)
+            rows, spans, q, k, v = _pass(cases, 9, 3, dim, seed=4)
+            alone = torch.empty(q.shape[2], 9, dim)
+            attend_batch(q, k, v, rows[1:2], spans[1:2], 0, 0.125, alone)
+            a, b = spans[1]
+            return together[a:b], alone[a:b]
+        finally:
+            torch.set_num_threads(before)
+
+    together, alone = alone_and_together(2)
+    assert torch.equal(together, alone)
+    assert torch.equal(alone_and_together(1)[0], together)
+
+
+def test_which_rows_attend_here():
+    config = _config(9, 3, 64)
+    own, prefix = new_kv(config), _filled(config, 10, torch.Generator().manual_seed(0))
+    assert batched(1, own, None) and batched(BATCH_TOKENS, own, prefix)
+    assert not batched(BATCH_TOKENS + 1, own, prefix)  # a prefill chunk: PyTorch's kernel
+    assert not batched(1, DynamicCache(config=config), None)  # a cache without room to write in place
+    assert not batched(1, own, new_kv(config))  # an empty prefix
 
 
 def test_without_the_library_pytorch_runs(monkeypatch):
     monkeypatch.setenv("TEXTENV_NATIVE", "0")
     native.library.cache_clear()
     try:
-        assert attend_row(*_row(1, 10, 9, 3, 3), 0.125, None) is None
+        assert not batched(1, new_kv(_config(9, 3, 64)), None)
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
