@@ -9,8 +9,6 @@ are torch._int_mm's bit for bit (tests/test_int8_mm.py), whatever the threads or
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -19,9 +17,9 @@ from app.native import library
 BLOCK, GROUP = 32, 4  # output channels per pair of 16-channel blocks; inner values per 32-bit lane
 
 
-@functools.cache
 def available() -> bool:
-    """Whether the C library was built with VNNI (a CPU with avx512_vnni and a compiler that knows it)."""
+    """Whether the C library was built with VNNI (a CPU with avx512_vnni and a compiler that knows it). Asked
+    again each time (library() is cached itself): a test that turns C off must not fix the answer for later."""
     lib = library()
     return lib is not None and bool(lib.mm_int8_available())
 

@@ -187,7 +187,7 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, requ
     loaded = _int8_tiny(request.getfixturevalue(which)) if which == "tiny_llama" else real_int8(request)
     model = loaded.model
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert all(m.packed for m in linears)
+    packed_at_load = [m.packed for m in linears]  # (True where the model was loaded with C on: set here anyway)
     ids = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(8)).tolist()
     prefix = new_kv(model.config)
     with torch.inference_mode():
@@ -207,16 +207,18 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, requ
         return chosen[-1]
 
     monkeypatch.setattr(int8_layer, "_packed", counted)
-    with torch.inference_mode():
-        few = rows()
-        chosen.clear()
-        packed = ragged_forward(model, few)
-        assert chosen == [True] * 2 * len(model.model.layers)  # (the packed calls ran: one before, one after attention)
-        for m in linears:
-            m.packed = False
-        try:
-            pieces = ragged_forward(model, rows())
-        finally:
+    try:
+        with torch.inference_mode():
             for m in linears:
                 m.packed = True
+            few = rows()
+            chosen.clear()
+            packed = ragged_forward(model, few)
+            assert chosen == [True] * 2 * len(model.model.layers)  # (the packed calls ran: before and after attention)
+            for m in linears:
+                m.packed = False
+            pieces = ragged_forward(model, rows())
+    finally:
+        for m, was in zip(linears, packed_at_load):
+            m.packed = was
     assert all(torch.equal(a, b) for a, b in zip(packed, pieces))

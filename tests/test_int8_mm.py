@@ -81,3 +81,19 @@ def test_a_model_on_the_packed_kernel_lays_out_its_weights_at_load_and_keeps_its
     with torch.inference_mode():
         for n in (12, 1, 3):  # 12 tokens through _int_mm, 1 and 3 through the packed kernel
             assert torch.equal(packed(ids[:, :n]).logits, plain(ids[:, :n]).logits)
+
+
+@needs_vnni
+def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tiny_llama, monkeypatch):
+    """Regression: on a Xeon with a large cache the int8 timing probe's margin was ~1.4x, and in one full test run
+    it said "slow", so that model ran every input on fbgemm's exact kernel (the same bits, slower). A library
+    built with VNNI now decides without it."""
+    from transformers import LlamaForCausalLM
+
+    from app import int8
+
+    monkeypatch.setattr(int8, "int8_matmul_is_fast", lambda: False)
+    model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
+    to_int8(model)
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert all(m.packed and m.exact is None and m.few == int8.FEW_TOKENS for m in layers)
