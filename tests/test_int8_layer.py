@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from app import int8_layer, int8_mm, native, ragged
-from app.int8 import FEW_TOKENS, Int8Linear
+from app.int8 import PACKED_FEW_TOKENS, Int8Linear
 from app.int8_layer import fused_layers
 from app.int8_rows import ACT_MAX, FINE, combine_rows_torch
 from app.kvcache import new_kv
@@ -183,7 +183,7 @@ def test_partial_rotary_models_run_the_torch_layers(tiny_llama):
 def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, request, monkeypatch):
     """qkv_packed and finish_packed (one C call each, matmuls on app.int8_mm) against the same pieces called one
     by one with _int_mm's sums: the same functions in the same order, so the same bits. A pass of 1 + 3 + 4
-    tokens (packed: up to FEW_TOKENS), rows with and without a shared prefix, after a long past."""
+    tokens (packed: up to PACKED_FEW_TOKENS), rows with and without a shared prefix, after a long past."""
     loaded = _int8_tiny(request.getfixturevalue(which)) if which == "tiny_llama" else real_int8(request)
     model = loaded.model
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
@@ -199,7 +199,7 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, requ
         return [Row(new_kv(model.config), ids[:1], 0, 1), Row(new_kv(model.config), ids[100:103], 100, 3, prefix),
                 Row(past, ids[150:154], 150, 4)]
 
-    assert sum(len(row.ids) for row in rows()) <= FEW_TOKENS
+    assert sum(len(row.ids) for row in rows()) <= PACKED_FEW_TOKENS
     real, chosen = int8_layer._packed, []
 
     def counted(tokens: int, *linears) -> bool:

@@ -96,4 +96,4 @@ def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tin
     model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
     to_int8(model)
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert all(m.packed and m.exact is None and m.few == int8.FEW_TOKENS for m in layers)
+    assert all(m.packed and m.exact is None and m.few == int8.PACKED_FEW_TOKENS for m in layers)
