@@ -31,6 +31,18 @@ class RowKV(ctypes.Structure):
                 ("prefix_stride", ctypes.c_int64), ("prefix_len", ctypes.c_int64)]
 
 
+def available(config) -> bool:
+    """Whether rows of this model can attend here: the C library's AVX-512 path, for 64-value heads (the bundled
+    model's); elsewhere every row keeps PyTorch's kernels."""
+    lib = library()
+    if lib is None:
+        return False
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return bool(lib.attend_fast(heads, groups, dim))
+
+
 def batched(tokens: int, kv, prefix) -> bool:
     """Whether a row of this many new tokens, its cache (app.kvcache.new_kv's) and its shared prefix (or None)
     attend here: decided by the row alone, so its path never depends on the rows beside it."""
@@ -69,5 +81,7 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, 
     failed = library().attend_batch(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
                                     v.data_ptr(), v.stride(1), v.stride(2), table, len(rows), heads, groups, dim,
                                     scale, out.data_ptr())
+    if failed == -2:
+        raise ValueError("attend_batch: not for this model's heads (attend_rows.available says so)")
     if failed:
         raise MemoryError("attend_batch: no memory for a row's scores")

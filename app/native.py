@@ -41,6 +41,7 @@ SIGNATURES = {  # name: (argument types, result type), as the .c files declare t
     "combine_add": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p], None),
     "combine_add_norm_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _p, _p, _f32, _f32, _p, _p, _p], None),
     "combine_silu_split": ([_p, _p, _i64, _i64, _f32, _p, _p, _p, _f32, _p, _p, _p], None),
+    "attend_fast": ([_i64, _i64, _i64], ctypes.c_int),
     "attend_batch": ([_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _f32, _p],
                      ctypes.c_int),
     "mm_int8_available": ([], ctypes.c_int),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from app.attend_rows import attend_batch, batched
+from app import attend_rows
 from app.int8_layer import fused_layers
 
 SUPPORTED = frozenset({"llama"})
@@ -202,7 +202,8 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     masks = [causal_mask(len(row.ids), row.start - before, None if row.prefix is None else repeat)
              for row, before in zip(rows, shared)]
-    few = [i for i, row in enumerate(rows) if batched(len(row.ids), row.kv, row.prefix)]  # (attend_rows, in C)
+    fast = attend_rows.available(config)  # (attend_rows, in C: each row decides alone, by its own tokens)
+    few = [i for i, row in enumerate(rows) if fast and attend_rows.batched(len(row.ids), row.kv, row.prefix)]
     rest = [i for i in range(len(rows)) if i not in set(few)]  # (prefill chunks: PyTorch's kernels)
     readers = _prefix_readers(rows, skip=set(few))
     layers = fused_layers(model) or TORCH_LAYERS
@@ -214,7 +215,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
         heads = _prefix_attention(q, rows, spans, readers, index, attn.scaling)
         out = torch.empty(at, q.shape[1], q.shape[3])
         if few:
-            attend_batch(q, k, v, [rows[i] for i in few], [spans[i] for i in few], index, attn.scaling, out)
+            attend_rows.attend_batch(q, k, v, [rows[i] for i in few], [spans[i] for i in few], index, attn.scaling, out)
         for i in rest:
             row, (a, b), mask = rows[i], spans[i], masks[i]
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)
