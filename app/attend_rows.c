@@ -1,8 +1,8 @@
 /* Every row of a ragged pass with few new tokens, attending in one call a layer (app/attend_rows.py): each row's
  * new keys/values written into its cache's room, then each new query's attention over the row's shared prefix
- * and its own keys as one softmax, (row, head) pairs shared between the calling thread's OpenMP team. Each pair
- * is one thread's, in one fixed order, so a query's bits depend on its own row only: never on the rows beside it
- * or on the threads (tests/test_attend_rows.py checks both bitwise). */
+ * and its own keys as one softmax, (row, key/value head) tasks shared between the calling thread's OpenMP team.
+ * Each task is one thread's, in one fixed order, so a query's bits depend on its own row only: never on the rows
+ * beside it or on the threads (tests/test_attend_rows.py checks both bitwise). */
 
 #include <stdlib.h>
 
@@ -51,65 +51,102 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(e, k);
 }
 
-/* The `per` query heads of one key/value head (64 values each), one token, over `before` prefix positions and
- * `seen` own ones: each query's scores, softmax and output, reading each key and value once for all of them. */
-static void attend_group64(const float *const *query, int per, const RowKV *r, int64_t group, int64_t seen,
-                           float scale, float *p, float *const *out) {
+/* q . key's 64 values as 16 lanes of partial sums (each over 4 of the values). */
+static inline __m512 partial_dot64(const float *q, const float *key) {
+    __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(key + 16),
+                               _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key)));
+    __m512 b = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), _mm512_loadu_ps(key + 48),
+                               _mm512_mul_ps(_mm512_loadu_ps(q + 32), _mm512_loadu_ps(key + 32)));
+    return _mm512_add_ps(a, b);
+}
+
+/* Lane i: the sum of t[i]'s 16 lanes, for 16 vectors at once (a transpose folded into the adds). Each lane only
+ * ever adds t[i]'s own partial sums, in a fixed order: a key's score does not depend on its block's other keys. */
+static inline __m512 sum_across16(const __m512 *t) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [t(2i) 0+2, t(2i+1) 0+2, t(2i) 1+3, t(2i+1) 1+3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: t(4i) .. t(4i+3), each over that lane's four values */
+        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+static inline __mmask16 first(int64_t count) { return count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1); }
+
+/* A row's n new tokens for one key/value head: its `per` query heads each, n * per queries. Keys and values are
+ * read 16 positions at a time for all of them while the block is in the core's first cache (a row of n tokens
+ * reads its keys once, not n times). Query (t, h) sees the first `seen[t]` positions (prefix, then own);
+ * each score, the softmax and the weighted sum run in one fixed order, the same whatever n. p: n * per * stride
+ * floats; out[(t * per + h)]: each query's 64 outputs. */
+static void row_group64(const float *const *query, float *const *row_out, int per, const RowKV *r,
+                        int64_t group, float scale, float *p, int64_t stride) {
     const float *pk = r->prefix_keys ? r->prefix_keys + group * r->prefix_stride : NULL;
     const float *pv = pk ? r->prefix_values + group * r->prefix_stride : NULL;
     const float *k = r->keys + group * r->group_stride, *v = r->values + group * r->group_stride;
-    int64_t before = pk ? r->prefix_len : 0, total = before + seen, stride = (total + 15) / 16 * 16;
-    __m512 qv[GROUP_MAX][4];
-    for (int h = 0; h < per; h++)
-        for (int c = 0; c < 4; c++) qv[h][c] = _mm512_loadu_ps(query[h] + 16 * c);
-    for (int64_t j = 0; j < total; j++) {
-        const float *key = j < before ? pk + j * 64 : k + (j - before) * 64;
-        __m512 k0 = _mm512_loadu_ps(key), k1 = _mm512_loadu_ps(key + 16), k2 = _mm512_loadu_ps(key + 32),
-               k3 = _mm512_loadu_ps(key + 48);
-        for (int h = 0; h < per; h++) {
-            __m512 a = _mm512_fmadd_ps(qv[h][1], k1, _mm512_mul_ps(qv[h][0], k0));
-            __m512 b = _mm512_fmadd_ps(qv[h][3], k3, _mm512_mul_ps(qv[h][2], k2));
-            p[h * stride + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+    int64_t before = pk ? r->prefix_len : 0, n = r->n, queries = n * per, last = before + r->past + n;
+    __m512 scales = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < last; j0 += 16) {
+        const float *key[16];
+        for (int i = 0; i < 16; i++) {
+            int64_t j = j0 + i < last ? j0 + i : j0; /* (past the end: any key; its lane is not stored) */
+            key[i] = j < before ? pk + j * 64 : k + (j - before) * 64;
+        }
+        for (int64_t x = 0; x < queries; x++) {
+            int64_t seen = before + r->past + x / per + 1;
+            if (j0 >= seen) continue;
+            __m512 t[16];
+            for (int i = 0; i < 16; i++) t[i] = partial_dot64(query[x], key[i]);
+            _mm512_mask_storeu_ps(p + x * stride + j0, first(seen - j0), _mm512_mul_ps(sum_across16(t), scales));
         }
     }
-    float share[GROUP_MAX];
-    for (int h = 0; h < per; h++) {
-        float *ph = p + h * stride;
-        float m = max_of(ph, total);
-        __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= total; j += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(ph + j), mv));
-            _mm512_storeu_ps(ph + j, e);
+    float share[GROUP_MAX * 16];
+    for (int64_t x = 0; x < queries; x++) {
+        float *px = p + x * stride;
+        int64_t seen = before + r->past + x / per + 1;
+        __m512 m = _mm512_set1_ps(max_of(px, seen)), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < seen; j += 16) {
+            __mmask16 lanes = first(seen - j);
+            __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, px + j), m)));
+            _mm512_mask_storeu_ps(px + j, lanes, e);
             sum = _mm512_add_ps(sum, e);
         }
-        if (j < total) {
-            __mmask16 tail = (__mmask16)((1u << (total - j)) - 1);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, ph + j), mv));
-            e = _mm512_maskz_mov_ps(tail, e);
-            _mm512_mask_storeu_ps(ph + j, tail, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        share[h] = 1.0f / _mm512_reduce_add_ps(sum);
+        share[x] = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int c = 0; c < 64; c += 16) _mm512_storeu_ps(row_out[x] + c, _mm512_setzero_ps());
     }
-    __m512 o[GROUP_MAX][4];
-    for (int h = 0; h < per; h++)
-        for (int c = 0; c < 4; c++) o[h][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < total; j++) {
-        const float *value = j < before ? pv + j * 64 : v + (j - before) * 64;
-        __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16), v2 = _mm512_loadu_ps(value + 32),
-               v3 = _mm512_loadu_ps(value + 48);
-        for (int h = 0; h < per; h++) {
-            __m512 w = _mm512_set1_ps(p[h * stride + j]);
-            o[h][0] = _mm512_fmadd_ps(w, v0, o[h][0]);
-            o[h][1] = _mm512_fmadd_ps(w, v1, o[h][1]);
-            o[h][2] = _mm512_fmadd_ps(w, v2, o[h][2]);
-            o[h][3] = _mm512_fmadd_ps(w, v3, o[h][3]);
+    for (int64_t j0 = 0; j0 < last; j0 += 16) {
+        const float *value[16];
+        for (int i = 0; i < 16 && j0 + i < last; i++) {
+            int64_t j = j0 + i;
+            value[i] = j < before ? pv + j * 64 : v + (j - before) * 64;
+        }
+        for (int64_t x = 0; x < queries; x++) {
+            int64_t seen = before + r->past + x / per + 1, count = seen - j0 < 16 ? seen - j0 : 16;
+            if (count <= 0) continue;
+            float *o = row_out[x];
+            const float *w = p + x * stride + j0;
+            __m512 o0 = _mm512_loadu_ps(o), o1 = _mm512_loadu_ps(o + 16), o2 = _mm512_loadu_ps(o + 32),
+                   o3 = _mm512_loadu_ps(o + 48);
+            for (int64_t i = 0; i < count; i++) {
+                __m512 wi = _mm512_set1_ps(w[i]);
+                o0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(value[i]), o0);
+                o1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(value[i] + 16), o1);
+                o2 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(value[i] + 32), o2);
+                o3 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(value[i] + 48), o3);
+            }
+            _mm512_storeu_ps(o, o0);
+            _mm512_storeu_ps(o + 16, o1);
+            _mm512_storeu_ps(o + 32, o2);
+            _mm512_storeu_ps(o + 48, o3);
         }
     }
-    for (int h = 0; h < per; h++) {
-        __m512 s = _mm512_set1_ps(share[h]);
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out[h] + 16 * c, _mm512_mul_ps(o[h][c], s));
+    for (int64_t x = 0; x < queries; x++) {
+        __m512 s = _mm512_set1_ps(share[x]);
+        float *o = row_out[x];
+        for (int c = 0; c < 64; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), s));
     }
 }
 #define FAST_DIM 64
@@ -149,27 +186,26 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
     int failed = 0, per = (int)(heads / groups);
 #if defined(__AVX512F__)
     if (!attend_fast(heads, groups, dim)) return -2;
-    int64_t most = 0; /* each task: one key/value head's queries of one new token */
-    for (int64_t i = 0; i < count; i++) most = rows[i].n > most ? rows[i].n : most;
 #pragma omp parallel for schedule(dynamic) reduction(| : failed)
-    for (int64_t task = 0; task < count * groups * most; task++) {
-        const RowKV *r = &rows[task / (groups * most)];
-        int64_t g = task / most % groups, t = task % most;
-        if (t >= r->n) continue;
-        int64_t total = (r->prefix_keys ? r->prefix_len : 0) + r->past + t + 1;
-        float *p = malloc(sizeof(float) * (size_t)(per * ((total + 15) / 16 * 16)));
-        if (!p) {
+    for (int64_t task = 0; task < count * groups; task++) { /* each task: one row's queries of one key/value head */
+        const RowKV *r = &rows[task / groups];
+        int64_t g = task % groups, last = (r->prefix_keys ? r->prefix_len : 0) + r->past + r->n;
+        int64_t stride = (last + 15) / 16 * 16;
+        float *p = malloc(sizeof(float) * (size_t)(r->n * per * stride));
+        if (!p || r->n > 16) {
+            free(p);
             failed |= 1;
             continue;
         }
-        const float *query[GROUP_MAX];
-        float *outs[GROUP_MAX];
-        for (int i = 0; i < per; i++) {
-            int64_t h = g * per + i;
-            query[i] = q + h * q_head + (r->first + t) * q_token;
-            outs[i] = out + ((r->first + t) * heads + h) * dim;
-        }
-        attend_group64(query, per, r, g, r->past + t + 1, scale, p, outs);
+        const float *query[GROUP_MAX * 16];
+        float *outs[GROUP_MAX * 16];
+        for (int64_t t = 0; t < r->n; t++)
+            for (int i = 0; i < per; i++) {
+                int64_t h = g * per + i;
+                query[t * per + i] = q + h * q_head + (r->first + t) * q_token;
+                outs[t * per + i] = out + ((r->first + t) * heads + h) * dim;
+            }
+        row_group64(query, outs, per, r, g, scale, p, stride);
         free(p);
     }
     return failed ? -1 : 0;

@@ -158,3 +158,21 @@ def test_without_the_library_pytorch_runs(monkeypatch):
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
+
+
+@needs_fast
+def test_a_token_gets_the_same_bits_in_a_draft_as_alone():
+    """Each query's scores, softmax and sums run in one order whatever its row's token count, so a drafted
+    token's attention is the same bits as when it is fed alone after the tokens before it."""
+    config = _config(9, 3, 64)
+    rows, spans, q, k, v = _pass([Case(4, 30, 200)], 9, 3, 64, seed=9)
+    (row,) = rows
+    alone_row = FakeRow(new_kv(config), row.prefix)
+    layer = row.kv.layers[0]
+    alone_row.kv.layers[0].update(layer.keys.clone(), layer.values.clone())
+    together = torch.empty(4, 9, 64)
+    attend_batch(q, k, v, rows, spans, 0, 0.125, together)
+    for t in range(4):
+        one = torch.empty(1, 9, 64)
+        attend_batch(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], [alone_row], [(0, 1)], 0, 0.125, one)
+        assert torch.equal(one[0], together[t])
