@@ -17,6 +17,11 @@ typedef struct {
     int64_t prefix_stride, prefix_len;
 } RowKV;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define GROUP_MAX 8 /* query heads per key/value head the fast path takes */
+#define ROW_TOKENS 16 /* new tokens a row may bring (app/attend_rows.py's BATCH_TOKENS) */
+
 /* The maximum of x[0..n) (exact in any order, so vectorized freely). */
 static inline float max_of(const float *x, int64_t n) {
     float acc[LANES];
@@ -29,10 +34,6 @@ static inline float max_of(const float *x, int64_t n) {
     for (; j < n; j++) m = x[j] > m ? x[j] : m;
     return m;
 }
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define GROUP_MAX 8 /* query heads per key/value head the fast path takes */
 
 /* e^x for 16 lanes: exp_approx's arithmetic (fastmath.h), 2^k applied with scalef (exact, as its exponent bits). */
 static inline __m512 exp16(__m512 x) {
@@ -103,7 +104,7 @@ static void row_group64(const float *const *query, float *const *row_out, int pe
             _mm512_mask_storeu_ps(p + x * stride + j0, first(seen - j0), _mm512_mul_ps(sum_across16(t), scales));
         }
     }
-    float share[GROUP_MAX * 16];
+    float share[GROUP_MAX * ROW_TOKENS];
     for (int64_t x = 0; x < queries; x++) {
         float *px = p + x * stride;
         int64_t seen = before + r->past + x / per + 1;
@@ -166,10 +167,14 @@ int attend_fast(int64_t heads, int64_t groups, int64_t dim) {
 
 /* The pass's new queries (`heads` heads), keys and values (`groups` heads), `dim` values each, with their element
  * strides between heads and between tokens; out: tokens x heads x dim, written for the rows' tokens. Returns 0,
- * -1 without memory, -2 where attend_fast says no (keys/values are written either way). */
+ * -1 without memory, -2 (nothing written) where attend_fast says no or a row brings over ROW_TOKENS tokens. */
 int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k, int64_t k_head, int64_t k_token,
                  const float *v, int64_t v_head, int64_t v_token, const RowKV *rows, int64_t count, int64_t heads,
                  int64_t groups, int64_t dim, float scale, float *out) {
+#if defined(__AVX512F__)
+    if (!attend_fast(heads, groups, dim)) return -2;
+    for (int64_t i = 0; i < count; i++)
+        if (rows[i].n > ROW_TOKENS) return -2;
     for (int64_t i = 0; i < count; i++) {
         const RowKV *r = &rows[i];
         for (int64_t t = 0; t < r->n; t++)
@@ -184,21 +189,18 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
             }
     }
     int failed = 0, per = (int)(heads / groups);
-#if defined(__AVX512F__)
-    if (!attend_fast(heads, groups, dim)) return -2;
 #pragma omp parallel for schedule(dynamic) reduction(| : failed)
     for (int64_t task = 0; task < count * groups; task++) { /* each task: one row's queries of one key/value head */
         const RowKV *r = &rows[task / groups];
         int64_t g = task % groups, last = (r->prefix_keys ? r->prefix_len : 0) + r->past + r->n;
         int64_t stride = (last + 15) / 16 * 16;
         float *p = malloc(sizeof(float) * (size_t)(r->n * per * stride));
-        if (!p || r->n > 16) {
-            free(p);
+        if (!p) {
             failed |= 1;
             continue;
         }
-        const float *query[GROUP_MAX * 16];
-        float *outs[GROUP_MAX * 16];
+        const float *query[GROUP_MAX * ROW_TOKENS];
+        float *outs[GROUP_MAX * ROW_TOKENS];
         for (int64_t t = 0; t < r->n; t++)
             for (int i = 0; i < per; i++) {
                 int64_t h = g * per + i;
@@ -210,7 +212,8 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
     }
     return failed ? -1 : 0;
 #else
-    (void)q, (void)q_head, (void)q_token, (void)scale, (void)out, (void)per, (void)failed;
+    (void)q, (void)q_head, (void)q_token, (void)k, (void)k_head, (void)k_token, (void)v, (void)v_head;
+    (void)v_token, (void)rows, (void)count, (void)heads, (void)groups, (void)dim, (void)scale, (void)out;
     return -2;
 #endif
 }

@@ -69,12 +69,11 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, 
     _, heads, _, dim = q.shape
     groups = k.shape[1]
     table = (RowKV * len(rows))()
-    held = []  # (the storages whose addresses go to C, alive until it returns)
     for entry, row, (a, b) in zip(table, rows, spans):
+        # (the storage stays the layer's own, so its address holds through the call)
         keys, values, past = row.kv.layers[index].reserve(k[:, :, a:b], v[:, :, a:b])
         entry.first, entry.n, entry.keys, entry.values = a, b - a, keys.data_ptr(), values.data_ptr()
         entry.group_stride, entry.past = keys.stride(1), past
-        held += [keys, values]
         if row.prefix is not None:
             layer = row.prefix.layers[index]
             entry.prefix_keys, entry.prefix_values = layer.keys.data_ptr(), layer.values.data_ptr()
@@ -83,6 +82,7 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, 
                                     v.data_ptr(), v.stride(1), v.stride(2), table, len(rows), heads, groups, dim,
                                     scale, out.data_ptr())
     if failed == -2:
-        raise ValueError("attend_batch: not for this model's heads (attend_rows.available says so)")
+        raise ValueError("attend_batch: not for this model's heads (see available) or rows of over "
+                         f"{BATCH_TOKENS} tokens")
     if failed:
         raise MemoryError("attend_batch: no memory for a row's scores")

@@ -192,12 +192,16 @@ class Int8Linear(nn.Module):
     def _few(self, tokens: int) -> bool:
         return self.few is None or tokens <= self.few
 
+    def packed_for(self, tokens: int) -> bool:
+        """Whether an input of this many tokens goes to the packed kernel (app.int8_layer then calls it from C)."""
+        return self.packed and self._few(tokens)
+
     def sums(self, parts: torch.Tensor) -> torch.Tensor:
         """parts @ weight.T: int32 sums from `_int_mm` or the packed kernel for int8 parts, the same sums as
         floats from the exact kernel for float parts (as `parts_dtype` chose)."""
         if parts.dtype != torch.int8:
             return self.exact.mm(parts)
-        if self.packed and self._few(len(parts) // 2):
+        if self.packed_for(len(parts) // 2):
             sums = self.prepare()._packed.mm(parts)
             if sums is not None:
                 return sums
@@ -264,8 +268,9 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
             few: int | None = None, packed: bool = False) -> None:
     """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on the
     exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.int8_mm's, for inputs of
-    up to `few` tokens (None: all); exact None: all three chosen for this CPU (_kernels). `saved`: int8_state() of this model's conversion, taken
-    instead of quantizing again where it holds a layer (app.model keeps it beside the converted weights)."""
+    up to `few` tokens (None: all); exact None: all three chosen for this CPU (_kernels). `saved`: int8_state()
+    of this model's conversion, taken instead of quantizing again where it holds a layer (app.model keeps it
+    beside the converted weights)."""
     if not supports(model):
         raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
     if exact is None:

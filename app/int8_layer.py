@@ -125,7 +125,7 @@ class Linear(ctypes.Structure):
 
 def _packed(tokens: int, *linears) -> bool:
     """Whether these layers run on the packed kernel for this many tokens (then one C call does their work)."""
-    return all(linear.packed and linear._few(tokens) for linear in linears)
+    return all(linear.packed_for(tokens) for linear in linears)
 
 
 def _linear(linear) -> Linear:

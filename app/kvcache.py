@@ -33,7 +33,8 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values, n = self.reserve(key_states, value_states)
-        keys[..., n:n + key_states.shape[-2], :], values[..., n:n + key_states.shape[-2], :] = key_states, value_states
+        end = n + key_states.shape[-2]
+        keys[..., n:end, :], values[..., n:end, :] = key_states, value_states
         return self.keys, self.values
 
     def reserve(self, key_states: torch.Tensor,

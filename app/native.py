@@ -28,8 +28,8 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h", "fast
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
-# the int8 matmul's threads: OpenMP, whose libgomp.so.1 is the one torch has loaded (one pool, not two fighting
-# over the cores); a compiler without OpenMP builds the same functions single-threaded
+# the int8 matmul's and the attention's threads: OpenMP, whose libgomp.so.1 is the one torch has loaded (one pool,
+# not two fighting over the cores); a compiler without OpenMP builds the same functions single-threaded
 OPENMP = "-fopenmp"
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -176,3 +176,11 @@ def test_a_token_gets_the_same_bits_in_a_draft_as_alone():
         one = torch.empty(1, 9, 64)
         attend_batch(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], [alone_row], [(0, 1)], 0, 0.125, one)
         assert torch.equal(one[0], together[t])
+
+
+@needs_fast
+def test_a_row_of_too_many_tokens_is_refused_not_overrun():
+    """The C side holds a row's queries in arrays of BATCH_TOKENS; a longer row is an error, never an overrun."""
+    rows, spans, q, k, v = _pass([Case(BATCH_TOKENS + 1, 5, 0)], 9, 3, 64, seed=2)
+    with pytest.raises(ValueError, match="over 16 tokens"):
+        attend_batch(q, k, v, rows, spans, 0, 0.125, torch.empty(q.shape[2], 9, 64))
