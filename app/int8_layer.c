@@ -17,36 +17,37 @@ static inline void rms_norm_row(const float *x, int64_t d, const float *weight, 
 void norm_split(const float *x, int64_t n, int64_t d, const float *weight, float eps, float act_max, float fine,
                 float *parts_f32, int8_t *parts_i8, float *scale) {
     Parts p = {parts_f32, parts_i8, scale, n, act_max, fine};
-    float normed[d];
-    for (int64_t i = 0; i < n; i++) {
+    FOR_ROWS(i, n, n * d, {
+        float normed[d];
         rms_norm_row(x + i * d, d, weight, eps, normed);
         split_row(normed, d, i, &p);
-    }
+    });
 }
 
 /* Rotary embeddings in place on the first `heads` heads (of `dim` values) of each of n rows of `width`:
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[dim/2:], x[:dim/2]), as transformers computes it. */
 void rotate(float *y, int64_t n, int64_t width, int64_t heads, int64_t dim, const float *cos, const float *sin) {
     int64_t half = dim / 2;
-    float x[dim];
-    for (int64_t i = 0; i < n; i++)
+    FOR_ROWS(i, n, n * heads * dim, {
         for (int64_t h = 0; h < heads; h++) {
+            float x[dim];
             float *v = y + i * width + h * dim;
             const float *c = cos + i * dim, *s = sin + i * dim;
             for (int64_t j = 0; j < dim; j++) x[j] = v[j];
             for (int64_t j = 0; j < dim; j++) v[j] = x[j] * c[j] + (j < half ? -x[j + half] : x[j - half]) * s[j];
         }
+    });
 }
 
 /* hidden += the scaled-back sums (an output projection and the residual add). */
 void combine_add(const float *sums_f32, const int32_t *sums_i32, int64_t n, int64_t o, float fine,
                  const float *scale, const float *wscale, const float *bias, float *hidden) {
     Sums s = {sums_f32, sums_i32, n, o, fine, scale, wscale, bias};
-    float y[o];
-    for (int64_t i = 0; i < n; i++) {
+    FOR_ROWS(i, n, n * o, {
+        float y[o];
         combine_row(&s, i, y);
         for (int64_t c = 0; c < o; c++) hidden[i * o + c] = hidden[i * o + c] + y[c];
-    }
+    });
 }
 
 /* combine_add, then the new hidden rows normed (weight, eps) and split into parts: the attention's output
@@ -67,12 +68,12 @@ void combine_silu_split(const float *sums_f32, const int32_t *sums_i32, int64_t 
     Sums s = {sums_f32, sums_i32, n, o, fine, scale, wscale, bias};
     Parts p = {parts_f32, parts_i8, parts_scale, n, act_max, fine};
     int64_t m = o / 2;
-    float y[o];
-    for (int64_t i = 0; i < n; i++) {
+    FOR_ROWS(i, n, n * o, {
+        float y[o];
         combine_row(&s, i, y);
         for (int64_t j = 0; j < m; j++) y[j] = y[j] / (1.0f + exp_approx(-y[j])) * y[m + j];
         split_row(y, m, i, &p);
-    }
+    });
 }
 
 /* ---- The same layer with its matmuls on the packed VNNI kernel (app/int8_mm.c): the work before attention in

@@ -7,7 +7,7 @@
 void split_rows(const float *x, int64_t n, int64_t d, float act_max, float fine, float *parts_f32,
                 int8_t *parts_i8, float *scale) {
     Parts p = {parts_f32, parts_i8, scale, n, act_max, fine};
-    for (int64_t i = 0; i < n; i++) split_row(x + i * d, d, i, &p);
+    FOR_ROWS(i, n, n * d, { split_row(x + i * d, d, i, &p); });
 }
 
 /* out[i][c] = (high + low / fine) * scale[i] * wscale[c] (+ bias[c]) from the matmul's 2n rows of o sums, given
@@ -15,5 +15,5 @@ void split_rows(const float *x, int64_t n, int64_t d, float act_max, float fine,
 void combine_rows(const float *both_f32, const int32_t *both_i32, int64_t n, int64_t o, float fine,
                   const float *scale, const float *wscale, const float *bias, float *out) {
     Sums s = {both_f32, both_i32, n, o, fine, scale, wscale, bias};
-    for (int64_t i = 0; i < n; i++) combine_row(&s, i, out + i * o);
+    FOR_ROWS(i, n, n * o, { combine_row(&s, i, out + i * o); });
 }

@@ -6,6 +6,19 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Rows are computed alone, so many of them are shared between the calling thread's OpenMP team (each row is one
+ * thread's, in its one order: the same bits), from PARALLEL_VALUES values on, where the work outweighs starting
+ * the team; fewer run as a plain loop (an OpenMP region with a false `if` still cost ~0.4 ms a one-token step). */
+#define PARALLEL_VALUES 4096
+#define FOR_ROWS(i, n, values, ...)                                                                             \
+    do {                                                                                                        \
+        if ((n) > 1 && (values) >= PARALLEL_VALUES) {                                                           \
+            _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < (n); i++) __VA_ARGS__          \
+        } else {                                                                                                \
+            for (int64_t i = 0; i < (n); i++) __VA_ARGS__                                                       \
+        }                                                                                                       \
+    } while (0)
+
 /* A float32 of magnitude below 2**22 plus this lies where floats are the integers: (v + R) - R is v rounded to
  * the nearest integer, ties to even (the float adder's own rounding), as torch's version rounds. */
 static const float ROUNDER = 12582912.0f; /* 1.5 * 2**23 */

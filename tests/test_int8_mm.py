@@ -1,6 +1,7 @@
-"""The VNNI int8 matmul (app/int8_mm.c): the integer sums of torch._int_mm, bit for bit, for any shape."""
+"""The VNNI / AMX int8 matmul (app/int8_mm.c): the integer sums of torch._int_mm, bit for bit, for any shape."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from app.int8_mm import PackedWeight
 from app.int8_rows import QMAX
 
 needs_vnni = pytest.mark.skipif(not int8_mm.available(), reason="no AVX-512 VNNI build on this CPU")
+LIKE_SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536)
+needs_amx = pytest.mark.skipif(not int8_mm.any_tokens(LIKE_SMOLLM2), reason="no AMX on this CPU (or not allowed)")
 
 
 def _sums(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -19,10 +22,11 @@ def _sums(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @needs_vnni
 @pytest.mark.parametrize("shape", [(960, 576), (7, 5), (33, 64), (100, 130), (576, 1536), (1, 4)])
-@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 8, 9, 16, 17, 40, 208])
 def test_packed_sums_are_the_integer_sums(shape, rows):
     """Channels and inner sizes off the kernel's blocks (padded), rows off its tiles of 8; parts over the whole
-    signed byte range (the kernel adds 128 to make them unsigned and takes 128 * a channel's sum off again)."""
+    signed byte range (the kernel adds 128 to make them unsigned and takes 128 * a channel's sum off again).
+    With AMX, inner sizes of 64, 576 and 1536 from 6 rows on take the tile unit: rows off its 16 and 32 too."""
     out, inner = shape
     gen = torch.Generator().manual_seed(out * inner + rows)
     weight = torch.randint(-QMAX, QMAX + 1, shape, generator=gen, dtype=torch.int8)
@@ -42,9 +46,10 @@ def test_packed_sums_at_their_largest():
 
 @needs_vnni
 @pytest.mark.parametrize("threads", [1, 2])
-def test_packed_sums_do_not_depend_on_threads(threads):
+@pytest.mark.parametrize("rows", [4, 6, 50])
+def test_packed_sums_do_not_depend_on_threads(threads, rows):
     weight = torch.randint(-QMAX, QMAX + 1, (3072, 576), dtype=torch.int8)
-    parts = torch.randint(-63, 64, (6, 576), dtype=torch.int8)
+    parts = torch.randint(-63, 64, (rows, 576), dtype=torch.int8)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)  # (the library runs on the calling thread's OpenMP team: torch's)
@@ -96,4 +101,15 @@ def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tin
     model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
     to_int8(model)
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert all(m.packed and m.exact is None and m.few == int8.PACKED_FEW_TOKENS for m in layers)
+    few = None if int8_mm.any_tokens(model.config) else int8.PACKED_FEW_TOKENS
+    assert all(m.packed and m.exact is None and m.few == few for m in layers)
+
+
+@needs_amx
+def test_with_amx_inputs_of_any_length_take_the_packed_kernel():
+    """The tile unit makes long inputs (a prefill of 8 questions: 104 tokens) fast too, where the VNNI loop alone
+    lost to _int_mm beyond 16 tokens; an inner size off its 64-value tiles keeps the limit."""
+    from app.int8 import PACKED_FEW_TOKENS, _kernels
+
+    assert _kernels(LIKE_SMOLLM2) == (False, None, True)
+    assert _kernels(SimpleNamespace(hidden_size=576, intermediate_size=1000)) == (False, PACKED_FEW_TOKENS, True)
