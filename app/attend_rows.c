@@ -1,8 +1,9 @@
-/* Every row of a ragged pass with few new tokens, attending in one call a layer (app/attend_rows.py): each row's
- * new keys/values written into its cache's room, then each new query's attention over the row's shared prefix
- * and its own keys as one softmax, (row, key/value head) tasks shared between the calling thread's OpenMP team.
- * Each task is one thread's, in one fixed order, so a query's bits depend on its own row only: never on the rows
- * beside it or on the threads (tests/test_attend_rows.py checks both bitwise). */
+/* Every row of a ragged pass with up to 64 new tokens, attending in one call a layer (app/attend_rows.py): each
+ * row's new keys/values written into its cache's room, then each new query's attention over the row's shared
+ * prefix and its own keys as one softmax, (row, 4 of its tokens, key/value head) tasks shared between the calling
+ * thread's OpenMP team. Each query is computed alone in one fixed order, so its bits depend on its own row only:
+ * never on the rows beside it, the task it falls in or the threads (tests/test_attend_rows.py checks these
+ * bitwise). */
 
 #include <stdlib.h>
 
@@ -20,7 +21,8 @@ typedef struct {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define GROUP_MAX 8 /* query heads per key/value head the fast path takes */
-#define ROW_TOKENS 16 /* new tokens a row may bring (app/attend_rows.py's BATCH_TOKENS) */
+#define CHUNK_TOKENS 4 /* a task's tokens of one row: a row of many splits between the threads (a query's bits are
+                        * its own: the same in any task) */
 
 /* The maximum of x[0..n) (exact in any order, so vectorized freely). */
 static inline float max_of(const float *x, int64_t n) {
@@ -102,17 +104,18 @@ static inline void weigh_values(const float *const *value, int64_t count, const 
 
 static inline __mmask16 first(int64_t count) { return count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1); }
 
-/* A row's n new tokens for one key/value head: its `per` query heads each, n * per queries. Keys and values are
- * read 16 positions at a time for all of them while the block is in the core's first cache (a row of n tokens
- * reads its keys once, not n times). Query (t, h) sees the first `seen[t]` positions (prefix, then own);
- * each score, the softmax and the weighted sum run in one fixed order, the same whatever n. p: n * per * stride
+/* A row's new tokens t0..t0 + n - 1 for one key/value head: its `per` query heads each, n * per queries. Keys and
+ * values are read 16 positions at a time for all of them while the block is in the core's first cache (n tokens
+ * read their keys once, not n times). Query (t, h) sees the first `seen[t]` positions (prefix, then own); each
+ * score, the softmax and the weighted sum run in one fixed order, the same whatever n or t0. p: n * per * stride
  * floats; out[(t * per + h)]: each query's 64 outputs. */
-static void row_group64(const float *const *query, float *const *row_out, int per, const RowKV *r,
-                        int64_t group, float scale, float *p, int64_t stride) {
+static void row_group64(const float *const *query, float *const *row_out, int per, const RowKV *r, int64_t t0,
+                        int64_t n, int64_t group, float scale, float *p, int64_t stride) {
     const float *pk = r->prefix_keys ? r->prefix_keys + group * r->prefix_stride : NULL;
     const float *pv = pk ? r->prefix_values + group * r->prefix_stride : NULL;
     const float *k = r->keys + group * r->group_stride, *v = r->values + group * r->group_stride;
-    int64_t before = pk ? r->prefix_len : 0, n = r->n, queries = n * per, last = before + r->past + n;
+    int64_t before = pk ? r->prefix_len : 0, seen0 = before + r->past + t0; /* (seen0: by every query here) */
+    int64_t queries = n * per, last = seen0 + n;
     __m512 scales = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < last; j0 += 16) {
         const float *key[16];
@@ -121,17 +124,17 @@ static void row_group64(const float *const *query, float *const *row_out, int pe
             key[i] = j < before ? pk + j * 64 : k + (j - before) * 64;
         }
         for (int64_t x = 0; x < queries; x++) {
-            int64_t seen = before + r->past + x / per + 1;
+            int64_t seen = seen0 + x / per + 1;
             if (j0 >= seen) continue;
             __m512 t[16];
             for (int i = 0; i < 16; i++) t[i] = partial_dot64(query[x], key[i]);
             _mm512_mask_storeu_ps(p + x * stride + j0, first(seen - j0), _mm512_mul_ps(sum_across16(t), scales));
         }
     }
-    float share[GROUP_MAX * ROW_TOKENS];
+    float share[GROUP_MAX * CHUNK_TOKENS];
     for (int64_t x = 0; x < queries; x++) {
         float *px = p + x * stride;
-        int64_t seen = before + r->past + x / per + 1;
+        int64_t seen = seen0 + x / per + 1;
         __m512 m = _mm512_set1_ps(max_of(px, seen)), sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < seen; j += 16) {
             __mmask16 lanes = first(seen - j);
@@ -149,7 +152,7 @@ static void row_group64(const float *const *query, float *const *row_out, int pe
             value[i] = j < before ? pv + j * 64 : v + (j - before) * 64;
         }
         for (int64_t t = 0; t < n; t++) { /* a token's `per` queries see the same positions: tiles of up to 4 */
-            int64_t seen = before + r->past + t + 1, count = seen - j0 < 16 ? seen - j0 : 16;
+            int64_t seen = seen0 + t + 1, count = seen - j0 < 16 ? seen - j0 : 16;
             for (int64_t x = t * per; count > 0 && x < (t + 1) * per; x += 4) {
                 const float *w[4];
                 float *o[4];
@@ -187,14 +190,13 @@ int attend_fast(int64_t heads, int64_t groups, int64_t dim) {
 
 /* The pass's new queries (`heads` heads), keys and values (`groups` heads), `dim` values each, with their element
  * strides between heads and between tokens; out: tokens x heads x dim, written for the rows' tokens. Returns 0,
- * -1 without memory, -2 (nothing written) where attend_fast says no or a row brings over ROW_TOKENS tokens. */
+ * -1 without memory, -2 (nothing written) where attend_fast says no. Any number of tokens a row: which rows come
+ * here is app/attend_rows.py's choice (BATCH_TOKENS). */
 int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k, int64_t k_head, int64_t k_token,
                  const float *v, int64_t v_head, int64_t v_token, const RowKV *rows, int64_t count, int64_t heads,
                  int64_t groups, int64_t dim, float scale, float *out) {
 #if defined(__AVX512F__)
     if (!attend_fast(heads, groups, dim)) return -2;
-    for (int64_t i = 0; i < count; i++)
-        if (rows[i].n > ROW_TOKENS) return -2;
     for (int64_t i = 0; i < count; i++) {
         const RowKV *r = &rows[i];
         for (int64_t t = 0; t < r->n; t++)
@@ -209,27 +211,35 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
             }
     }
     int failed = 0, per = (int)(heads / groups);
+    int64_t chunks = 0; /* tasks: (row, its tokens t0.. in chunks of CHUNK_TOKENS, key/value head) */
+    for (int64_t i = 0; i < count; i++) chunks += (rows[i].n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
+    int64_t *chunk_row = malloc(sizeof(int64_t) * (size_t)(2 * chunks)), *chunk_t0 = chunk_row + chunks;
+    if (!chunk_row) return -1;
+    for (int64_t i = 0, c = 0; i < count; i++)
+        for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS) chunk_row[c] = i, chunk_t0[c++] = t0;
 #pragma omp parallel for schedule(dynamic) reduction(| : failed)
-    for (int64_t task = 0; task < count * groups; task++) { /* each task: one row's queries of one key/value head */
-        const RowKV *r = &rows[task / groups];
-        int64_t g = task % groups, last = (r->prefix_keys ? r->prefix_len : 0) + r->past + r->n;
+    for (int64_t task = 0; task < chunks * groups; task++) {
+        const RowKV *r = &rows[chunk_row[task / groups]];
+        int64_t t0 = chunk_t0[task / groups], n = r->n - t0 < CHUNK_TOKENS ? r->n - t0 : CHUNK_TOKENS;
+        int64_t g = task % groups, last = (r->prefix_keys ? r->prefix_len : 0) + r->past + t0 + n;
         int64_t stride = (last + 15) / 16 * 16;
-        float *p = malloc(sizeof(float) * (size_t)(r->n * per * stride));
+        float *p = malloc(sizeof(float) * (size_t)(n * per * stride));
         if (!p) {
             failed |= 1;
             continue;
         }
-        const float *query[GROUP_MAX * ROW_TOKENS];
-        float *outs[GROUP_MAX * ROW_TOKENS];
-        for (int64_t t = 0; t < r->n; t++)
+        const float *query[GROUP_MAX * CHUNK_TOKENS];
+        float *outs[GROUP_MAX * CHUNK_TOKENS];
+        for (int64_t t = 0; t < n; t++)
             for (int i = 0; i < per; i++) {
-                int64_t h = g * per + i;
-                query[t * per + i] = q + h * q_head + (r->first + t) * q_token;
-                outs[t * per + i] = out + ((r->first + t) * heads + h) * dim;
+                int64_t h = g * per + i, token = r->first + t0 + t;
+                query[t * per + i] = q + h * q_head + token * q_token;
+                outs[t * per + i] = out + (token * heads + h) * dim;
             }
-        row_group64(query, outs, per, r, g, scale, p, stride);
+        row_group64(query, outs, per, r, t0, n, g, scale, p, stride);
         free(p);
     }
+    free(chunk_row);
     return failed ? -1 : 0;
 #else
     (void)q, (void)q_head, (void)q_token, (void)k, (void)k_head, (void)k_token, (void)v, (void)v_head;
