@@ -1,5 +1,7 @@
 /* Arithmetic shared by the C files: e^x and reductions in a fixed order, in code the compiler vectorizes. */
 
+#pragma once
+
 #include <math.h>
 #include <stdint.h>
 

@@ -3,8 +3,13 @@
  * row lies in memory. Built with -ffp-contract=off: no multiply and add fused where the torch versions round
  * twice (the one fused step is written out with fmaf). */
 
+#pragma once
+
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+
+#include "fastmath.h"
 
 /* Rows are computed alone, so many of them are shared between the calling thread's OpenMP team (each row is one
  * thread's, in its one order: the same bits), from PARALLEL_VALUES values on, where the work outweighs starting
@@ -34,8 +39,16 @@ typedef struct {
 } Parts;
 
 static inline float row_scale(const float *row, int64_t d, float act_max) {
+    float acc[LANES] = {0}; /* (a maximum is exact in any order: LANES of them, so the loop is vector code) */
+    int64_t j = 0;
+    for (; j + LANES <= d; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float a = fabsf(row[j + l]);
+            acc[l] = a > acc[l] ? a : acc[l];
+        }
     float m = 0.0f;
-    for (int64_t j = 0; j < d; j++) {
+    for (int l = 0; l < LANES; l++) m = acc[l] > m ? acc[l] : m;
+    for (; j < d; j++) {
         float a = fabsf(row[j]);
         m = a > m ? a : m;
     }
@@ -44,18 +57,25 @@ static inline float row_scale(const float *row, int64_t d, float act_max) {
 
 /* Row i of the split: x ≈ (high + low / fine) * scale. */
 static inline void split_row(const float *row, int64_t d, int64_t i, const Parts *p) {
-    float s = row_scale(row, d, p->act_max);
+    float s = row_scale(row, d, p->act_max), fine = p->fine;
     p->scale[i] = s;
-    for (int64_t j = 0; j < d; j++) {
-        float v = row[j] / s;
-        float high = (v + ROUNDER) - ROUNDER;
-        float low = ((v - high) * p->fine + ROUNDER) - ROUNDER;
-        if (p->f32) {
-            p->f32[i * d + j] = high;
-            p->f32[(p->n + i) * d + j] = low;
-        } else {
-            p->i8[i * d + j] = (int8_t)high;
-            p->i8[(p->n + i) * d + j] = (int8_t)low;
+    /* (the outputs as local restrict pointers: an int8 store may alias anything, and re-reading p after each one
+     * kept this loop scalar) */
+    float *restrict high_f = p->f32 ? p->f32 + i * d : NULL, *restrict low_f = p->f32 ? p->f32 + (p->n + i) * d : NULL;
+    int8_t *restrict high_i = p->i8 ? p->i8 + i * d : NULL, *restrict low_i = p->i8 ? p->i8 + (p->n + i) * d : NULL;
+    if (high_f) {
+        for (int64_t j = 0; j < d; j++) {
+            float v = row[j] / s;
+            float high = (v + ROUNDER) - ROUNDER;
+            high_f[j] = high;
+            low_f[j] = ((v - high) * fine + ROUNDER) - ROUNDER;
+        }
+    } else {
+        for (int64_t j = 0; j < d; j++) {
+            float v = row[j] / s;
+            float high = (v + ROUNDER) - ROUNDER;
+            high_i[j] = (int8_t)high;
+            low_i[j] = (int8_t)(((v - high) * fine + ROUNDER) - ROUNDER);
         }
     }
 }
@@ -70,16 +90,18 @@ typedef struct {
     const float *scale, *wscale, *bias;
 } Sums;
 
-static inline void combine_row(const Sums *s, int64_t i, float *y) {
-    const float alpha = 1.0f / s->fine, scale = s->scale[i];
-    for (int64_t c = 0; c < s->o; c++) {
-        int64_t h = i * s->o + c, l = (s->n + i) * s->o + c;
-        float high = s->f32 ? s->f32[h] : (float)s->i32[h];
-        float low = s->f32 ? s->f32[l] : (float)s->i32[l];
-        y[c] = fmaf(low, alpha, high) * scale * s->wscale[c];
+static inline void combine_row(const Sums *s, int64_t i, float *restrict y) {
+    const float alpha = 1.0f / s->fine, scale = s->scale[i], *restrict wscale = s->wscale;
+    int64_t o = s->o, h = i * o, l = (s->n + i) * o;
+    if (s->f32) {
+        const float *restrict high = s->f32 + h, *restrict low = s->f32 + l;
+        for (int64_t c = 0; c < o; c++) y[c] = fmaf(low[c], alpha, high[c]) * scale * wscale[c];
+    } else {
+        const int32_t *restrict high = s->i32 + h, *restrict low = s->i32 + l;
+        for (int64_t c = 0; c < o; c++) y[c] = fmaf((float)low[c], alpha, (float)high[c]) * scale * wscale[c];
     }
     if (s->bias)
-        for (int64_t c = 0; c < s->o; c++) y[c] += s->bias[c];
+        for (int64_t c = 0; c < o; c++) y[c] += s->bias[c];
 }
 
 /* int8_rows.c's functions, which int8_layer.c calls too */
