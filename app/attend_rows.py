@@ -71,15 +71,19 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, 
     _, heads, _, dim = q.shape
     groups = k.shape[1]
     table = (RowKV * len(rows))()
+    prefixes: dict[int, tuple[int, int, int, int]] = {}  # (rows share a prefix: its layer read once)
     for entry, row, (a, b) in zip(table, rows, spans):
         # (the storage stays the layer's own, so its address holds through the call)
-        keys, values, past = row.kv.layers[index].reserve(k[:, :, a:b], v[:, :, a:b])
+        keys, values, past = row.kv.layers[index].reserve(k, v, b - a)
         entry.first, entry.n, entry.keys, entry.values = a, b - a, keys.data_ptr(), values.data_ptr()
         entry.group_stride, entry.past = keys.stride(1), past
         if row.prefix is not None:
-            layer = row.prefix.layers[index]
-            entry.prefix_keys, entry.prefix_values = layer.keys.data_ptr(), layer.values.data_ptr()
-            entry.prefix_stride, entry.prefix_len = layer.keys.stride(1), layer.keys.shape[2]
+            shared = prefixes.get(id(row.prefix))
+            if shared is None:
+                layer = row.prefix.layers[index]
+                shared = prefixes[id(row.prefix)] = (layer.keys.data_ptr(), layer.values.data_ptr(),
+                                                     layer.keys.stride(1), layer.keys.shape[2])
+            entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len = shared
     failed = library().attend_batch(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
                                     v.data_ptr(), v.stride(1), v.stride(2), table, len(rows), heads, groups, dim,
                                     scale, out.data_ptr())

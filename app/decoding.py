@@ -224,12 +224,19 @@ class PromptLookup:
         return []
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the largest of one position's logits (the first, on a tie), by NumPy's argmax: the same choice
+    as torch.argmax, ~3 us for the vocabulary against torch's 73 us (a scalar loop). Each row picks 1-9 tokens a
+    step, each in its own thread, so this was ~2 ms of Python between two 8-row steps."""
+    return int(logits.detach().float().numpy().argmax())  # (float(): a bfloat16 model's logits too)
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0, else nucleus sampling."""
     import torch  # here, not at the top: Stop and the other records here are imported by the light CLI commands
 
     if temperature <= 0:
-        return int(torch.argmax(logits))
+        return greedy(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)

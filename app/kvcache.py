@@ -37,15 +37,16 @@ class GrowingLayer(DynamicLayer):
         keys[..., n:end, :], values[..., n:end, :] = key_states, value_states
         return self.keys, self.values
 
-    def reserve(self, key_states: torch.Tensor,
-                value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Room for key_states' positions after the n held: (key storage, value storage, n), each storage
-        contiguous [..., room, head_dim]. The layer covers the new positions from now on, so the caller writes
-        them before anything reads it (update; app.attend_rows.attend_batch, in C)."""
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for `count` positions (default: key_states') after the n held: (key storage, value storage, n),
+        each storage contiguous [..., room, head_dim] like key_states'. The layer covers the new positions from now
+        on, so the caller writes them before anything reads it (update; app.attend_rows.attend_batch, in C, which
+        passes a whole pass's keys and each row's count: no slice made per row and layer)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.get_seq_length()
-        need = n + key_states.shape[-2]
+        need = n + (key_states.shape[-2] if count is None else count)
         if self._storage is None or need > self._storage[0].shape[-2]:
             room = (need // GROW_TOKENS + 1) * GROW_TOKENS
             grown = tuple(s.new_empty((*s.shape[:-2], room, s.shape[-1])) for s in (key_states, value_states))

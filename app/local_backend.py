@@ -12,7 +12,7 @@ import torch
 
 from app.answer_line import AnswerLine
 from app.backend import SegmentRun
-from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, next_token
+from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, greedy, next_token
 from app.kvcache import TokenCache
 from app.model import LoadedModel
 from app.protocol import STOP_STRINGS
@@ -129,7 +129,7 @@ class LocalBackend:
             return [next_token(grammar.mask(logits[-1], line), settings.temperature, settings.top_p, generator)]
         ahead, tokens = line.copy(), []
         for i in range(len(drafts) + 1):
-            tokens.append(int(grammar.mask(logits[i], ahead).argmax()))
+            tokens.append(greedy(grammar.mask(logits[i], ahead)))
             if i == len(drafts) or tokens[-1] != drafts[i]:
                 break
             ahead.push(grammar.text(tokens[-1]))
