@@ -214,7 +214,7 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
     int64_t chunks = 0; /* tasks: (row, its tokens t0.. in chunks of CHUNK_TOKENS, key/value head) */
     for (int64_t i = 0; i < count; i++) chunks += (rows[i].n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
     int64_t *chunk_row = malloc(sizeof(int64_t) * (size_t)(2 * chunks)), *chunk_t0 = chunk_row + chunks;
-    if (!chunk_row) return -1;
+    if (!chunk_row && chunks) return -1;
     for (int64_t i = 0, c = 0; i < count; i++)
         for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS) chunk_row[c] = i, chunk_t0[c++] = t0;
 #pragma omp parallel for schedule(dynamic) reduction(| : failed)

@@ -34,18 +34,22 @@
 #endif
 
 #define TILE 8 /* activation rows per pass over a block's weights: 2 x 8 accumulators of 16 channels */
-#define AMX_ROWS 6 /* activation rows (two a token) from which the tile unit beats the VNNI loop (measured: 4 even) */
+#define AMX_ROWS 6 /* activation rows (two a token) from which the tile unit beats the VNNI loop (at 4 rows: even) */
 #define AMX_INNER 64 /* inner values per tile */
 
 int mm_int8_available(void) { return HAVE_VNNI; }
 
 #if HAVE_AMX
-/* Linux lends a process the tile unit's registers only once asked (arch_prctl): asked once, the answer kept. */
+/* Linux lends a process the tile unit's registers only once asked (arch_prctl): asked once, the answer kept.
+ * TEXTENV_AMX=0 keeps the tiles off (the VNNI loop and torch._int_mm instead: the same sums), for a host whose
+ * tiles misbehave (llama.cpp's AMX kernels once crashed on one of this kind's machines; see the README). */
 static int amx_allowed(void) {
     static int state; /* 0: not asked yet, 1: allowed, -1: refused (a race asks twice: harmless) */
     int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
     if (s == 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        const char *setting = getenv("TEXTENV_AMX");
+        s = setting && strcmp(setting, "0") == 0 ? -1
+            : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
         __atomic_store_n(&state, s, __ATOMIC_RELAXED);
     }
     return s > 0;

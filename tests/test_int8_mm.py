@@ -113,3 +113,21 @@ def test_with_amx_inputs_of_any_length_take_the_packed_kernel():
 
     assert _kernels(LIKE_SMOLLM2) == (False, None, True)
     assert _kernels(SimpleNamespace(hidden_size=576, intermediate_size=1000)) == (False, PACKED_FEW_TOKENS, True)
+
+
+@needs_amx
+def test_amx_can_be_turned_off():
+    """TEXTENV_AMX=0 (a host whose tiles misbehave): long inputs back on the VNNI loop, the same sums. In a process
+    of its own: the library asks for the tiles once per process."""
+    import os
+    import subprocess
+    import sys
+
+    check = ("import app, torch; from types import SimpleNamespace; from app import int8_mm; "
+             "from app.int8_mm import PackedWeight; "
+             "w = torch.randint(-127, 128, (96, 576), dtype=torch.int8); "
+             "x = torch.randint(-128, 128, (40, 576), dtype=torch.int8); "
+             "assert not int8_mm.any_tokens(SimpleNamespace(hidden_size=576, intermediate_size=1536)); "
+             "assert torch.equal(PackedWeight(w).mm(x), x.long().matmul(w.long().t()).int())")
+    env = {**os.environ, "TEXTENV_AMX": "0"}
+    subprocess.run([sys.executable, "-c", check], check=True, env=env, timeout=120)
