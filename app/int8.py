@@ -301,10 +301,10 @@ def _kernels(config) -> tuple[bool, int | None, bool]:
     """(exact, few, packed) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for
     everything (where every layer's rows are short enough for it); where it is fast, a kernel without a fixed
     cost per call for few tokens (decode: the same bits, without _int_mm's per-call relayout of the weight) and
-    `_int_mm` for more: app.int8_mm's where the library has VNNI, else fbgemm's; where it also has AMX, app.int8_mm's
-    for every input. A library built with VNNI means
-    the CPU has it, and so does torch's `_int_mm` there: no timing needed (on a Xeon with a large cache the probe's
-    margin was ~1.4x, and a busy moment could tip it to the exact kernel for every input)."""
+    `_int_mm` for more: app.int8_mm's where the library has VNNI, else fbgemm's; where it also has AMX (and the
+    model's inner sizes suit its tiles), app.int8_mm's for every input. A library built with VNNI means the CPU
+    has it, and so does torch's `_int_mm` there: no timing needed (on a Xeon with a large cache the probe's margin
+    was ~1.4x, and a busy moment could tip it to the exact kernel for every input)."""
     packed = int8_mm.available()
     if packed and int8_mm.any_tokens(config):
         return False, None, True
