@@ -24,19 +24,6 @@ typedef struct {
 #define CHUNK_TOKENS 4 /* a task's tokens of one row: a row of many splits between the threads (a query's bits are
                         * its own: the same in any task) */
 
-/* The maximum of x[0..n) (exact in any order, so vectorized freely). */
-static inline float max_of(const float *x, int64_t n) {
-    float acc[LANES];
-    for (int l = 0; l < LANES; l++) acc[l] = -INFINITY;
-    int64_t j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
-    float m = -INFINITY;
-    for (int l = 0; l < LANES; l++) m = acc[l] > m ? acc[l] : m;
-    for (; j < n; j++) m = x[j] > m ? x[j] : m;
-    return m;
-}
-
 /* e^x for 16 lanes: exp_approx's arithmetic (fastmath.h), 2^k applied with scalef (exact, as its exponent bits). */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -135,7 +122,7 @@ static void row_group64(const float *const *query, float *const *row_out, int pe
     for (int64_t x = 0; x < queries; x++) {
         float *px = p + x * stride;
         int64_t seen = seen0 + x / per + 1;
-        __m512 m = _mm512_set1_ps(max_of(px, seen)), sum = _mm512_setzero_ps();
+        __m512 m = _mm512_set1_ps(max_of(px, seen, 0, -INFINITY)), sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < seen; j += 16) {
             __mmask16 lanes = first(seen - j);
             __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, px + j), m)));

@@ -35,3 +35,23 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     for (; j < d; j++) s += a[j] * b[j];
     return s;
 }
+
+/* The largest of x[0..n) (of |x| where `absolute`) and `start`: LANES running maxima, so the loop is vector code
+ * (a maximum is exact in any order). A NaN is passed over, as `a > m ? a : m` does. */
+static inline float max_of(const float *x, int64_t n, int absolute, float start) {
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = start;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float a = absolute ? fabsf(x[j + l]) : x[j + l];
+            acc[l] = a > acc[l] ? a : acc[l];
+        }
+    float m = start;
+    for (int l = 0; l < LANES; l++) m = acc[l] > m ? acc[l] : m;
+    for (; j < n; j++) {
+        float a = absolute ? fabsf(x[j]) : x[j];
+        m = a > m ? a : m;
+    }
+    return m;
+}

@@ -67,6 +67,17 @@ int mm_int8_amx(void) {
 }
 
 #if HAVE_VNNI
+/* The m rows of k parts as unsigned bytes (p ^ 0x80 = p + 128), `rows` rows of `width` (>= m, >= k): the padding
+ * 0x80, a zero part. Both kernels read them so; NULL without memory. */
+static uint8_t *flipped_rows(const int8_t *parts, int64_t m, int64_t k, int64_t rows, int64_t width) {
+    uint8_t *out = malloc((size_t)(rows * width));
+    if (!out) return NULL;
+    memset(out, 0x80, (size_t)(rows * width));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k; j++) out[r * width + j] = (uint8_t)parts[r * k + j] ^ 0x80u;
+    return out;
+}
+
 /* Rows r0.. (up to TILE) times a pair of 16-channel blocks (weights w, 2 * 16 * k4 * 4 bytes), into out's
  * columns c.. (`valid` of them real). `flipped` holds the parts as unsigned bytes, k4 * 4 a row. */
 static void tile(const uint8_t *flipped, int64_t rows, int64_t k4, const int8_t *w, const int32_t *colsum,
@@ -148,10 +159,8 @@ static void amx_tile(const uint8_t *a, int64_t m, int64_t mp, int64_t k, const i
 static int mm_amx(const int8_t *parts, int64_t m, int64_t k, const int8_t *packed, const int32_t *colsum,
                   int64_t n, int32_t *out) {
     int64_t pairs = (n + 31) / 32, mp = (m + 15) / 16 * 16;
-    uint8_t *a = malloc((size_t)(mp * k));
+    uint8_t *a = flipped_rows(parts, m, k, mp, k); /* (rows past m: sums computed, never stored) */
     if (!a) return -1;
-    for (int64_t j = 0; j < m * k; j++) a[j] = (uint8_t)parts[j] ^ 0x80u;
-    memset(a + m * k, 0x80, (size_t)((mp - m) * k)); /* (rows past m: sums computed, never stored) */
 #pragma omp parallel
     {
         TileConfig config = {.palette = 1}; /* (each thread configures its own tiles) */
@@ -178,13 +187,8 @@ int mm_int8(const int8_t *parts, int64_t m, int64_t k, const int8_t *packed, con
 #endif
 #if HAVE_VNNI
     int64_t k4 = (k + 3) / 4, pairs = (n + 31) / 32;
-    uint8_t *flipped = malloc((size_t)(m * k4 * 4));
+    uint8_t *flipped = flipped_rows(parts, m, k, m, k4 * 4); /* (values past k: times zero weights) */
     if (!flipped) return -1;
-    for (int64_t r = 0; r < m; r++) {
-        uint8_t *row = flipped + r * k4 * 4;
-        for (int64_t j = 0; j < k; j++) row[j] = (uint8_t)parts[r * k + j] ^ 0x80u;
-        for (int64_t j = k; j < k4 * 4; j++) row[j] = 0x80u; /* (times zero weights) */
-    }
 #pragma omp parallel for schedule(static) if (m * n * k >= 65536)
     for (int64_t p = 0; p < pairs; p++)
         for (int64_t r0 = 0; r0 < m; r0 += TILE)

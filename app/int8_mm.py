@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from app.native import library
 
 BLOCK, GROUP = 32, 4  # output channels per pair of 16-channel blocks; inner values per 32-bit lane
+AMX_INNER = 64  # inner values per AMX tile (int8_mm.c's AMX_INNER): inner sizes off it stay on the VNNI loop
 
 
 def available() -> bool:
@@ -29,10 +30,10 @@ def available() -> bool:
 
 def any_tokens(config) -> bool:
     """Whether this model's int8 matmuls are fast here for inputs of any length (the AMX tiles: every inner size
-    a multiple of 64), not only for few tokens."""
+    a multiple of AMX_INNER), not only for few tokens."""
     lib = library()
     inner = (config.hidden_size, config.intermediate_size)
-    return available() and bool(lib.mm_int8_amx()) and all(size % 64 == 0 for size in inner)
+    return available() and bool(lib.mm_int8_amx()) and all(size % AMX_INNER == 0 for size in inner)
 
 
 class PackedWeight:

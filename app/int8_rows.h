@@ -39,19 +39,7 @@ typedef struct {
 } Parts;
 
 static inline float row_scale(const float *row, int64_t d, float act_max) {
-    float acc[LANES] = {0}; /* (a maximum is exact in any order: LANES of them, so the loop is vector code) */
-    int64_t j = 0;
-    for (; j + LANES <= d; j += LANES)
-        for (int l = 0; l < LANES; l++) {
-            float a = fabsf(row[j + l]);
-            acc[l] = a > acc[l] ? a : acc[l];
-        }
-    float m = 0.0f;
-    for (int l = 0; l < LANES; l++) m = acc[l] > m ? acc[l] : m;
-    for (; j < d; j++) {
-        float a = fabsf(row[j]);
-        m = a > m ? a : m;
-    }
+    float m = max_of(row, d, 1, 0.0f);
     return (m > 1e-12f ? m : 1e-12f) / act_max;
 }
 

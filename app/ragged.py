@@ -11,9 +11,9 @@ A row may read a shared prefix (the system prompt's keys/values, held once for e
 queries attend to the prefix and to its own keys in two parts, merged by their log-sum-exp (cascade attention,
 as in FlashInfer), so the prefix is never copied. Every row reading one prefix reads it in the same kernel call,
 as FlashInfer's shared-prefix batch decode does: its keys/values are read once a step instead of once a row
-(8 decoding rows over the 900-token default prompt: 41 MB a step instead of 330). Rows with few new tokens
-(decoding, drafts) do all of this in one C call a layer instead (app.attend_rows: cache writes, the prefix's
-part and their own as one softmax); the kernels above serve the rows with many (prefill chunks).
+(8 decoding rows over the 900-token default prompt: 41 MB a step instead of 330). Rows with up to 64 new tokens
+(decoding, drafts, questions, tool results) do all of this in one C call a layer instead (app.attend_rows: cache
+writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 
 Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
 (app.int8_layer). Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can
@@ -200,12 +200,13 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     shared = [row.prefix.get_seq_length() if row.prefix is not None else 0 for row in rows]
     config = model.config
     repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    masks = [causal_mask(len(row.ids), row.start - before, None if row.prefix is None else repeat)
-             for row, before in zip(rows, shared)]
     fast = attend_rows.available(config)  # (attend_rows, in C: each row decides alone, by its own tokens)
     few = [i for i, row in enumerate(rows) if fast and attend_rows.batched(len(row.ids), row.kv, row.prefix)]
-    rest = [i for i in range(len(rows)) if i not in set(few)]  # (prefill chunks: PyTorch's kernels)
-    readers = _prefix_readers(rows, skip=set(few))
+    in_c = set(few)
+    rest = [i for i in range(len(rows)) if i not in in_c]  # (prefill chunks: PyTorch's kernels, with masks)
+    masks = {i: causal_mask(len(rows[i].ids), rows[i].start - shared[i], None if rows[i].prefix is None else repeat)
+             for i in rest}
+    readers = _prefix_readers(rows, skip=in_c)
     layers = fused_layers(model) or TORCH_LAYERS
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
