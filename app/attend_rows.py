@@ -31,7 +31,8 @@ class RowKV(ctypes.Structure):
     _fields_ = [("first", ctypes.c_int64), ("n", ctypes.c_int64), ("keys", ctypes.c_void_p),
                 ("values", ctypes.c_void_p), ("group_stride", ctypes.c_int64), ("past", ctypes.c_int64),
                 ("prefix_keys", ctypes.c_void_p), ("prefix_values", ctypes.c_void_p),
-                ("prefix_stride", ctypes.c_int64), ("prefix_len", ctypes.c_int64)]
+                ("prefix_stride", ctypes.c_int64), ("prefix_len", ctypes.c_int64),
+                ("prefix_lanes", ctypes.c_void_p), ("lanes_stride", ctypes.c_int64)]
 
 
 def available(config) -> bool:
@@ -71,7 +72,7 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, 
     _, heads, _, dim = q.shape
     groups = k.shape[1]
     table = (RowKV * len(rows))()
-    prefixes: dict[int, tuple[int, int, int, int]] = {}  # (rows share a prefix: its layer read once)
+    prefixes: dict[int, tuple[int, int, int, int, int | None, int]] = {}  # (rows share a prefix: its layer read once)
     for entry, row, (a, b) in zip(table, rows, spans):
         # (the storage stays the layer's own, so its address holds through the call)
         keys, values, past = row.kv.layers[index].reserve(k, v, b - a)
@@ -81,9 +82,13 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, 
             shared = prefixes.get(id(row.prefix))
             if shared is None:
                 layer = row.prefix.layers[index]
+                lanes = layer.keys_in_lanes() if hasattr(layer, "keys_in_lanes") else None
                 shared = prefixes[id(row.prefix)] = (layer.keys.data_ptr(), layer.values.data_ptr(),
-                                                     layer.keys.stride(1), layer.keys.shape[2])
-            entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len = shared
+                                                     layer.keys.stride(1), layer.keys.shape[2],
+                                                     None if lanes is None else lanes.data_ptr(),
+                                                     0 if lanes is None else lanes.stride(1))
+            (entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len, entry.prefix_lanes,
+             entry.lanes_stride) = shared
     failed = library().attend_batch(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
                                     v.data_ptr(), v.stride(1), v.stride(2), table, len(rows), heads, groups, dim,
                                     scale, out.data_ptr())
