@@ -26,7 +26,7 @@ BATCH_TOKENS = 64
 
 
 class RowKV(ctypes.Structure):
-    """A row as attend_batch reads it (attend_rows.c's RowKV); strides in floats."""
+    """A row as attend_rows.c reads it (its RowKV); strides in floats."""
 
     _fields_ = [("first", ctypes.c_int64), ("n", ctypes.c_int64), ("keys", ctypes.c_void_p),
                 ("values", ctypes.c_void_p), ("group_stride", ctypes.c_int64), ("past", ctypes.c_int64),
@@ -47,12 +47,18 @@ def available(config) -> bool:
     return bool(lib.attend_fast(heads, groups, dim))
 
 
-def batched(tokens: int, kv, prefix) -> bool:
+def batched(tokens: int, kv, prefix, readable: dict[int, bool] | None = None) -> bool:
     """Whether a row of this many new tokens, its cache (app.kvcache.new_kv's) and its shared prefix (or None)
-    attend here: decided by the row alone, so its path never depends on the rows beside it."""
+    attend here: decided by the row alone, so its path never depends on the rows beside it. `readable`: a pass's
+    memo of its prefixes' check (a prefix is read-only: checked once a pass, not once a row: ~35 us a row)."""
     if library() is None or tokens > BATCH_TOKENS or not all(hasattr(layer, "reserve") for layer in kv.layers):
         return False
-    return prefix is None or all(_readable(layer) for layer in prefix.layers)
+    if prefix is None:
+        return True
+    memo = {} if readable is None else readable
+    if id(prefix) not in memo:
+        memo[id(prefix)] = all(_readable(layer) for layer in prefix.layers)
+    return memo[id(prefix)]
 
 
 def _readable(layer) -> bool:
@@ -64,35 +70,53 @@ def _readable(layer) -> bool:
             and keys.stride(-1) == 1 and keys.stride(-2) == keys.shape[-1])
 
 
-def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, spans: list[tuple[int, int]],
-                 index: int, scale: float, out: torch.Tensor) -> None:
-    """Rows' attention in layer `index`: q [1, heads, tokens, dim], k and v [1, groups, tokens, dim] of the whole
-    pass (any strides); `rows` (app.ragged.Row) own tokens spans[i] of it. Extends each row's cache by its new
-    keys/values and writes its tokens' outputs into out [tokens, heads, dim]."""
-    _, heads, _, dim = q.shape
-    groups = k.shape[1]
-    table = (RowKV * len(rows))()
-    prefixes: dict[int, tuple[int, int, int, int, int | None, int]] = {}  # (rows share a prefix: its layer read once)
-    for entry, row, (a, b) in zip(table, rows, spans):
-        # (the storage stays the layer's own, so its address holds through the call)
-        keys, values, past = row.kv.layers[index].reserve(k, v, b - a)
-        entry.first, entry.n, entry.keys, entry.values = a, b - a, keys.data_ptr(), values.data_ptr()
-        entry.group_stride, entry.past = keys.stride(1), past
-        if row.prefix is not None:
-            shared = prefixes.get(id(row.prefix))
-            if shared is None:
-                layer = row.prefix.layers[index]
-                lanes = layer.keys_in_lanes() if hasattr(layer, "keys_in_lanes") else None
-                shared = prefixes[id(row.prefix)] = (layer.keys.data_ptr(), layer.values.data_ptr(),
-                                                     layer.keys.stride(1), layer.keys.shape[2],
-                                                     None if lanes is None else lanes.data_ptr(),
-                                                     0 if lanes is None else lanes.stride(1))
-            (entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len, entry.prefix_lanes,
-             entry.lanes_stride) = shared
-    failed = library().attend_batch(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
-                                    v.data_ptr(), v.stride(1), v.stride(2), table, len(rows), heads, groups, dim,
-                                    scale, out.data_ptr())
-    if failed == -2:
-        raise ValueError("attend_batch: not for this model's heads (see available)")
-    if failed:
-        raise MemoryError("attend_batch: no memory for a row's scores")
+def _prefix_fields(layer) -> tuple[int, int, int, int, int | None, int]:
+    """A prefix layer's part of RowKV: its keys, values, stride between heads, length, keys in lanes."""
+    lanes = layer.keys_in_lanes() if hasattr(layer, "keys_in_lanes") else None
+    return (layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.stride(1), layer.keys.shape[2],
+            None if lanes is None else lanes.data_ptr(), 0 if lanes is None else lanes.stride(1))
+
+
+class Batch:
+    """A pass's rows that attend here, set up once a pass: each row's room for its new tokens in every layer of
+    its cache (kvcache.GrowingLayer.reserve) and every layer's RowKV table, so a layer's call passes one pointer.
+    Done layer by layer, this was the scheduler thread's busiest Python (py-spy, GIL held, 8 chats at once): ~30
+    reserve calls, table entries and prefix lookups per row a step, in the critical path between C calls."""
+
+    def __init__(self, rows: list, spans: list[tuple[int, int]], like: torch.Tensor):
+        """`rows` (app.ragged.Row) own tokens spans[i] of the pass; `like`: the pass's keys [1, groups, tokens,
+        dim] (a cache's first layer takes their dtype and shape). The caches cover the new positions from now
+        on: attend() writes them, layer by layer (after a failed pass, TokenCache.rollback crops them)."""
+        self.count = len(rows)
+        self._tables = [(RowKV * len(rows))() for _ in rows[0].kv.layers] if rows else []
+        self._keep = []  # (every address in the tables stays valid while this holds the tensors)
+        prefixes: dict[int, list] = {}
+        for i, (row, (a, b)) in enumerate(zip(rows, spans)):
+            room = [layer.reserve(like, like, b - a) for layer in row.kv.layers]
+            self._keep.append(room)
+            shared = None
+            if row.prefix is not None:
+                shared = prefixes.get(id(row.prefix))
+                if shared is None:
+                    shared = prefixes[id(row.prefix)] = [_prefix_fields(layer) for layer in row.prefix.layers]
+            for index, (keys, values, past) in enumerate(room):
+                entry = self._tables[index][i]
+                entry.first, entry.n, entry.keys, entry.values = a, b - a, keys.data_ptr(), values.data_ptr()
+                entry.group_stride, entry.past = keys.stride(1), past
+                if shared is not None:
+                    (entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len,
+                     entry.prefix_lanes, entry.lanes_stride) = shared[index]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int, scale: float,
+               out: torch.Tensor) -> None:
+        """The rows' attention in layer `index`: q [1, heads, tokens, dim], k and v [1, groups, tokens, dim] of the
+        whole pass (any strides). Writes each row's new keys/values into its cache's room and its tokens' outputs
+        into out [tokens, heads, dim]."""
+        _, heads, _, dim = q.shape
+        failed = library().attend_batch(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1),
+                                        k.stride(2), v.data_ptr(), v.stride(1), v.stride(2), self._tables[index],
+                                        self.count, heads, k.shape[1], dim, scale, out.data_ptr())
+        if failed == -2:
+            raise ValueError("attend_batch: not for this model's heads (see available)")
+        if failed:
+            raise MemoryError("attend_batch: no memory for a row's scores")

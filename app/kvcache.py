@@ -43,7 +43,7 @@ class GrowingLayer(DynamicLayer):
                 count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Room for `count` positions (default: key_states') after the n held: (key storage, value storage, n),
         each storage contiguous [..., room, head_dim] like key_states'. The layer covers the new positions from now
-        on, so the caller writes them before anything reads it (update; app.attend_rows.attend_batch, in C, which
+        on, so the caller writes them before anything reads it (update; app.attend_rows.Batch, whose C call
         passes a whole pass's keys and each row's count: no slice made per row and layer)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

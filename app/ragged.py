@@ -110,7 +110,7 @@ def _attend_blocks(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def _prefix_readers(rows: list[Row], skip: set[int]) -> list[list[int]]:
     """The rows that read each shared prefix (row numbers, one list per prefix; rows in `skip` read theirs in
-    attend_batch): the same in every layer."""
+    attend_rows.Batch): the same in every layer."""
     readers: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         if row.prefix is not None and i not in skip:
@@ -201,7 +201,9 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     config = model.config
     repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     fast = attend_rows.available(config)  # (attend_rows, in C: each row decides alone, by its own tokens)
-    few = [i for i, row in enumerate(rows) if fast and attend_rows.batched(len(row.ids), row.kv, row.prefix)]
+    readable: dict[int, bool] = {}
+    few = [i for i, row in enumerate(rows)
+           if fast and attend_rows.batched(len(row.ids), row.kv, row.prefix, readable)]
     in_c = set(few)
     rest = [i for i in range(len(rows)) if i not in in_c]  # (prefill chunks: PyTorch's kernels, with masks)
     masks = {i: causal_mask(len(rows[i].ids), rows[i].start - shared[i], None if rows[i].prefix is None else repeat)
@@ -210,13 +212,15 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     layers = fused_layers(model) or TORCH_LAYERS
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
+    batch = None  # (made at the first layer, from its keys' shape)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         q, k, v = layers.attention_inputs(layer, hidden, cos, sin)
         heads = _prefix_attention(q, rows, spans, readers, index, attn.scaling)
         out = torch.empty(at, q.shape[1], q.shape[3])
         if few:
-            attend_rows.attend_batch(q, k, v, [rows[i] for i in few], [spans[i] for i in few], index, attn.scaling, out)
+            batch = batch or attend_rows.Batch([rows[i] for i in few], [spans[i] for i in few], k)
+            batch.attend(q, k, v, index, attn.scaling, out)
         for i in rest:
             row, (a, b), mask = rows[i], spans[i], masks[i]
             keys, values = row.kv.update(k[:, :, a:b], v[:, :, a:b], index)

@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 from app import native
-from app.attend_rows import BATCH_TOKENS, attend_batch, available, batched
+from app.attend_rows import BATCH_TOKENS, Batch, available, batched
 from app.kvcache import new_kv
 from app.ragged import _attend, causal_mask
 
@@ -100,7 +100,7 @@ def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups)
     rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=len(cases) + heads)
     want = [_reference(row, case, q, k, v, span, 0.125) for row, case, span in zip(rows, cases, spans)]
     out = torch.full((q.shape[2], heads, dim), float("nan"))
-    attend_batch(q, k, v, rows, spans, 0, 0.125, out)
+    Batch(rows, spans, k).attend(q, k, v, 0, 0.125, out)
     for row, case, (a, b), expected in zip(rows, cases, spans, want):
         assert torch.allclose(out[a:b], expected, atol=2e-6, rtol=1e-5)
         layer = row.kv.layers[0]
@@ -120,10 +120,10 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads():
         try:
             rows, spans, q, k, v = _pass(cases, 9, 3, dim, seed=4)
             together = torch.empty(q.shape[2], 9, dim)
-            attend_batch(q, k, v, rows, spans, 0, 0.125, together)
+            Batch(rows, spans, k).attend(q, k, v, 0, 0.125, together)
             rows, spans, q, k, v = _pass(cases, 9, 3, dim, seed=4)
             alone = torch.empty(q.shape[2], 9, dim)
-            attend_batch(q, k, v, rows[1:2], spans[1:2], 0, 0.125, alone)
+            Batch(rows[1:2], spans[1:2], k).attend(q, k, v, 0, 0.125, alone)
             a, b = spans[1]
             return together[a:b], alone[a:b]
         finally:
@@ -174,8 +174,9 @@ def test_a_token_gets_the_same_bits_in_a_draft_as_alone(n):
     layer = row.kv.layers[0]
     alone_row.kv.layers[0].update(layer.keys.clone(), layer.values.clone())
     together = torch.empty(n, 9, 64)
-    attend_batch(q, k, v, rows, spans, 0, 0.125, together)
+    Batch(rows, spans, k).attend(q, k, v, 0, 0.125, together)
     for t in range(n):
         one = torch.empty(1, 9, 64)
-        attend_batch(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], [alone_row], [(0, 1)], 0, 0.125, one)
+        q1, k1, v1 = (x[:, :, t:t + 1] for x in (q, k, v))
+        Batch([alone_row], [(0, 1)], k1).attend(q1, k1, v1, 0, 0.125, one)
         assert torch.equal(one[0], together[t])
