@@ -19,8 +19,6 @@ typedef struct {
     int64_t group_stride, past; /* between key/value heads; positions it held before this pass */
     const float *prefix_keys, *prefix_values; /* a shared prefix's (NULL: none) */
     int64_t prefix_stride, prefix_len;
-    const float *prefix_lanes; /* its keys' whole blocks of 16 in lanes (kvcache.keys_in_lanes; NULL: none) */
-    int64_t lanes_stride;      /* between key/value heads there */
 } RowKV;
 
 #if defined(__AVX512F__)
@@ -94,56 +92,6 @@ static inline void weigh_values(const float *const *value, int64_t count, const 
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[x] + 16 * c, acc[x][c]);
 }
 
-/* Scores (times `scales`) of `tq` queries for `kb` blocks of 16 keys in lanes (kt: block b's value d of key i at
- * (b * 64 + d) * 16 + i) into out[x] + 16 b: each score is q[0] k[0] + ... + q[63] k[63] as one chain of
- * multiply-adds in that order, so a pair's bits are the same in any tile; a key's values are loaded once for the
- * tile's queries, and no sum across lanes is needed (~2x partial_dot64's rate over a long prefix). */
-static inline void lane_scores(const float *const *query, const int tq, const float *kt, const int kb,
-                               __m512 scales, float *const *out) {
-    __m512 acc[4][4];
-    for (int x = 0; x < tq; x++)
-        for (int b = 0; b < kb; b++) acc[x][b] = _mm512_setzero_ps();
-    for (int d = 0; d < 64; d++) {
-        __m512 k[4];
-        for (int b = 0; b < kb; b++) k[b] = _mm512_loadu_ps(kt + (b * 64 + d) * 16);
-        for (int x = 0; x < tq; x++) {
-            __m512 qd = _mm512_set1_ps(query[x][d]);
-            for (int b = 0; b < kb; b++) acc[x][b] = _mm512_fmadd_ps(qd, k[b], acc[x][b]);
-        }
-    }
-    for (int x = 0; x < tq; x++)
-        for (int b = 0; b < kb; b++) _mm512_storeu_ps(out[x] + 16 * b, _mm512_mul_ps(acc[x][b], scales));
-}
-
-/* Scores of `queries` queries (p: one row of `stride` a query) for the first `blocks` blocks of keys in lanes: 4
- * blocks (16 KB) at a time, read by every query tile while in the core's first cache. */
-static void prefix_lane_scores(const float *const *query, int64_t queries, const float *kt, int64_t blocks,
-                               __m512 scales, float *p, int64_t stride) {
-    int tiles = (int)((queries + 3) / 4); /* query tiles of near-equal size (9 queries: 3 x 3, not 4 + 4 + 1) */
-    for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
-        int wide = blocks - b0 >= 4;
-        for (int64_t b = b0; b < (wide ? b0 + 1 : blocks); b++) { /* 4 blocks at once, or one at a time */
-            const float *k = kt + b * 64 * 16;
-            for (int tile = 0; tile < tiles; tile++) {
-                int64_t x0 = queries * tile / tiles, x1 = queries * (tile + 1) / tiles;
-                int tq = (int)(x1 - x0);
-                float *out[4];
-                for (int x = 0; x < tq; x++) out[x] = p + (x0 + x) * stride + 16 * b;
-                switch (tq * 2 + wide) {
-                case 2: lane_scores(query + x0, 1, k, 1, scales, out); break;
-                case 3: lane_scores(query + x0, 1, k, 4, scales, out); break;
-                case 4: lane_scores(query + x0, 2, k, 1, scales, out); break;
-                case 5: lane_scores(query + x0, 2, k, 4, scales, out); break;
-                case 6: lane_scores(query + x0, 3, k, 1, scales, out); break;
-                case 7: lane_scores(query + x0, 3, k, 4, scales, out); break;
-                case 8: lane_scores(query + x0, 4, k, 1, scales, out); break;
-                default: lane_scores(query + x0, 4, k, 4, scales, out); break;
-                }
-            }
-        }
-    }
-}
-
 static inline __mmask16 first(int64_t count) { return count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1); }
 
 /* A row's new tokens t0..t0 + n - 1 for one key/value head: its `per` query heads each, n * per queries. Keys and
@@ -159,9 +107,7 @@ static void row_group64(const float *const *query, float *const *row_out, int pe
     int64_t before = pk ? r->prefix_len : 0, seen0 = before + r->past + t0; /* (seen0: by every query here) */
     int64_t queries = n * per, last = seen0 + n;
     __m512 scales = _mm512_set1_ps(scale);
-    int64_t blocks = r->prefix_lanes ? before / 16 : 0; /* the prefix's whole blocks: scored from keys in lanes */
-    if (blocks) prefix_lane_scores(query, queries, r->prefix_lanes + group * r->lanes_stride, blocks, scales, p, stride);
-    for (int64_t j0 = 16 * blocks; j0 < last; j0 += 16) {
+    for (int64_t j0 = 0; j0 < last; j0 += 16) {
         const float *key[16];
         for (int i = 0; i < 16; i++) {
             int64_t j = j0 + i < last ? j0 + i : j0; /* (past the end: any key; its lane is not stored) */

@@ -31,8 +31,7 @@ class RowKV(ctypes.Structure):
     _fields_ = [("first", ctypes.c_int64), ("n", ctypes.c_int64), ("keys", ctypes.c_void_p),
                 ("values", ctypes.c_void_p), ("group_stride", ctypes.c_int64), ("past", ctypes.c_int64),
                 ("prefix_keys", ctypes.c_void_p), ("prefix_values", ctypes.c_void_p),
-                ("prefix_stride", ctypes.c_int64), ("prefix_len", ctypes.c_int64),
-                ("prefix_lanes", ctypes.c_void_p), ("lanes_stride", ctypes.c_int64)]
+                ("prefix_stride", ctypes.c_int64), ("prefix_len", ctypes.c_int64)]
 
 
 def available(config) -> bool:
@@ -70,11 +69,9 @@ def _readable(layer) -> bool:
             and keys.stride(-1) == 1 and keys.stride(-2) == keys.shape[-1])
 
 
-def _prefix_fields(layer) -> tuple[int, int, int, int, int | None, int]:
-    """A prefix layer's part of RowKV: its keys, values, stride between heads, length, keys in lanes."""
-    lanes = layer.keys_in_lanes() if hasattr(layer, "keys_in_lanes") else None
-    return (layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.stride(1), layer.keys.shape[2],
-            None if lanes is None else lanes.data_ptr(), 0 if lanes is None else lanes.stride(1))
+def _prefix_fields(layer) -> tuple[int, int, int, int]:
+    """A prefix layer's part of RowKV: its keys, values, stride between heads, length."""
+    return layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.stride(1), layer.keys.shape[2]
 
 
 class Batch:
@@ -104,8 +101,7 @@ class Batch:
                 entry.first, entry.n, entry.keys, entry.values = a, b - a, keys.data_ptr(), values.data_ptr()
                 entry.group_stride, entry.past = keys.stride(1), past
                 if shared is not None:
-                    (entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len,
-                     entry.prefix_lanes, entry.lanes_stride) = shared[index]
+                    entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len = shared[index]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int, scale: float,
                out: torch.Tensor) -> None:

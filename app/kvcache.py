@@ -20,7 +20,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 GROW_TOKENS = 128  # a layer's storage grows by this much room at a time
-LANE_KEYS = 16  # keys a block of keys_in_lanes holds: one vector of float32 scores (app/attend_rows.c)
 
 
 class GrowingLayer(DynamicLayer):
@@ -31,7 +30,6 @@ class GrowingLayer(DynamicLayer):
     the storage is copied only when it grows (every GROW_TOKENS tokens)."""
 
     _storage: tuple[torch.Tensor, torch.Tensor] | None = None
-    _lanes: tuple[int, int, torch.Tensor] | None = None  # keys_in_lanes' copy and the (address, length) it is of
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values, n = self.reserve(key_states, value_states)
@@ -59,19 +57,6 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[..., :need, :], values[..., :need, :]
         return keys, values, n
 
-    def keys_in_lanes(self) -> torch.Tensor:
-        """The keys' whole blocks of LANE_KEYS positions, each transposed: [..., blocks, head_dim, LANE_KEYS], so
-        that a query's scores for a block are the lanes of one vector, summed value by value without a reduction
-        across lanes (app/attend_rows.c: ~2x the rate of one dot product per key). For a shared prefix, which is
-        read-only: made on first use and kept (counted by kv_nbytes), remade if the layer has changed since."""
-        blocks = self.get_seq_length() // LANE_KEYS
-        made_of = (self.keys.data_ptr(), blocks)
-        if self._lanes is None or self._lanes[:2] != made_of:
-            keys = self.keys[..., : blocks * LANE_KEYS, :]
-            lanes = keys.reshape(*keys.shape[:-2], blocks, LANE_KEYS, keys.shape[-1]).transpose(-1, -2).contiguous()
-            self._lanes = (*made_of, lanes)
-        return self._lanes[2]
-
 
 def new_kv(config) -> DynamicCache:
     """A DynamicCache whose full-attention layers grow in place (sliding-window layers stay as transformers has
@@ -85,9 +70,8 @@ def kv_nbytes(kv: DynamicCache | None) -> int:
     """Bytes of a cache's key/value storage, spare room included."""
     if kv is None:
         return 0
-    held = [t for layer in kv.layers if layer.is_initialized for t in (layer.keys, layer.values)]
-    held += [layer._lanes[2] for layer in kv.layers if getattr(layer, "_lanes", None) is not None]
-    return sum(t.untyped_storage().nbytes() for t in held)
+    return sum(t.untyped_storage().nbytes() for layer in kv.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
 
 
 class CacheInvariantError(AssertionError):

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from app.engine import Engine, Settings
-from transformers import LlamaConfig
-
-from app.kvcache import GROW_TOKENS, LANE_KEYS, CacheInvariantError, TokenCache, kv_nbytes, new_kv
+from app.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache
 from app.protocol import encode
 from tests.conftest import forced, logit_tolerance, plan_text, prime
 
@@ -214,25 +212,6 @@ def test_an_evicted_session_copies_the_shared_prompt_and_prefills_only_its_own_t
     assert first.cached_tokens == session.prompt_tokens
     assert first.prefill_tokens == episode.query_end - session.prompt_tokens == before - session.prompt_tokens + (
         episode.query_end - episode.query_start)
-
-
-def test_keys_in_lanes_are_whole_blocks_transposed_made_once_and_counted():
-    """A shared prefix's keys in lanes (read by app/attend_rows.c): block b's value d of key i at [.., b, d, i],
-    only whole blocks, kept while the layer is unchanged, remade when it grows, and counted as held bytes."""
-    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3, hidden_size=384,
-                         head_dim=64)
-    kv = new_kv(config)
-    layer, gen = kv.layers[0], torch.Generator().manual_seed(0)
-    layer.update(*(torch.randn(1, 3, 2 * LANE_KEYS + 5, 64, generator=gen) for _ in range(2)))
-    plain = kv_nbytes(kv)
-    lanes = layer.keys_in_lanes()
-    assert lanes.shape == (1, 3, 2, 64, LANE_KEYS) and lanes.is_contiguous()
-    for g, b, i in [(0, 0, 0), (1, 1, 15), (2, 0, 7)]:
-        assert torch.equal(lanes[0, g, b, :, i], layer.keys[0, g, b * LANE_KEYS + i])
-    assert layer.keys_in_lanes() is lanes and kv_nbytes(kv) == plain + lanes.untyped_storage().nbytes()
-    layer.update(*(torch.randn(1, 3, LANE_KEYS, 64, generator=gen) for _ in range(2)))  # 53 keys: 3 whole blocks
-    grown = layer.keys_in_lanes()
-    assert grown.shape[2] == 3 and torch.equal(grown[0, 2, 2, :, 4], layer.keys[0, 2, 2 * LANE_KEYS + 4])
 
 
 def test_sessions_read_the_prompt_in_place_and_hold_only_their_own_tokens(tiny_llama):
