@@ -23,13 +23,55 @@ GROW_TOKENS = 128  # a layer's storage grows by this much room at a time
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys/values are views of storage with room to spare, written in place.
+    """A DynamicLayer whose keys/values live in storage with room to spare, written in place.
 
     transformers' DynamicLayer concatenates at every pass, copying the whole layer each decode step (~46 MB at
     1,000 tokens for the bundled model, per session in the batch); here a step writes only its new positions and
-    the storage is copied only when it grows (every GROW_TOKENS tokens)."""
+    the storage is copied only when it grows (every GROW_TOKENS tokens). The positions held are a count, and
+    `keys`/`values` views of the storage made when read: a pass grows every layer of every row (30 a row), and
+    making two views at each (~3 us) was the scheduler thread's busiest Python in an 8-row step (py-spy, GIL
+    held), while the C attention reads the storage itself. An assignment of anything but such a view (transformers'
+    reorder, batch and device moves) turns the layer back into a plain DynamicLayer until it next grows."""
 
     _storage: tuple[torch.Tensor, torch.Tensor] | None = None
+    _length = 0  # positions held, while the layer lives in _storage
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._storage[0][..., : self._length, :] if self._storage is not None else self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._set(0, value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._storage[1][..., : self._length, :] if self._storage is not None else self.__dict__.get("_values")
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._set(1, value)
+
+    def _set(self, part: int, value: torch.Tensor | None) -> None:
+        storage = self._storage
+        if storage is not None:
+            held = storage[part]
+            if value is not None and value.data_ptr() == held.data_ptr() and value.stride() == held.stride() \
+                    and value.shape[:-2] == held.shape[:-2] and value.shape[-1] == held.shape[-1]:
+                self._length = value.shape[-2]  # a view of the storage's start (transformers' crop)
+                return
+            self.__dict__["_keys"], self.__dict__["_values"] = self.keys, self.values  # plain tensors from here
+            self._storage = None
+        self.__dict__["_keys" if part == 0 else "_values"] = value
+
+    def get_seq_length(self) -> int:
+        return self._length if self._storage is not None else super().get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._storage is None or tokens_to_remove > 0:
+            super().crop(tokens_to_remove)  # (a positive count: transformers' error)
+        else:
+            self._length = max(0, self._length - abs(tokens_to_remove))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values, n = self.reserve(key_states, value_states)
@@ -42,7 +84,7 @@ class GrowingLayer(DynamicLayer):
         """Room for `count` positions (default: key_states') after the n held: (key storage, value storage, n),
         each storage contiguous [..., room, head_dim] like key_states'. The layer covers the new positions from now
         on, so the caller writes them before anything reads it (update; app.attend_rows.Batch, whose C call
-        passes a whole pass's keys and each row's count: no slice made per row and layer)."""
+        writes a whole pass's keys at each row's place)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.get_seq_length()
@@ -53,8 +95,8 @@ class GrowingLayer(DynamicLayer):
             if n:
                 grown[0][..., :n, :], grown[1][..., :n, :] = self.keys, self.values
             self._storage = grown
+        self._length = need
         keys, values = self._storage
-        self.keys, self.values = keys[..., :need, :], values[..., :need, :]
         return keys, values, n
 
 

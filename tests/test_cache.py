@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from transformers import LlamaConfig
 
 from app.engine import Engine, Settings
-from app.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache
+from app.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache, new_kv
 from app.protocol import encode
 from tests.conftest import forced, logit_tolerance, plan_text, prime
 
@@ -212,6 +215,31 @@ def test_an_evicted_session_copies_the_shared_prompt_and_prefills_only_its_own_t
     assert first.cached_tokens == session.prompt_tokens
     assert first.prefill_tokens == episode.query_end - session.prompt_tokens == before - session.prompt_tokens + (
         episode.query_end - episode.query_start)
+
+
+def test_a_growing_layer_holds_a_count_and_reads_as_views_of_its_storage():
+    """GrowingLayer keeps the positions held as a count (a pass grows 30 layers a row: no views made then);
+    keys/values read as views of the storage, crops only change the count, and an assignment of another tensor
+    (transformers' reorder or device moves) leaves a plain layer that grows into new storage again."""
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    kv = new_kv(config)
+    layer, gen = kv.layers[0], torch.Generator().manual_seed(0)
+    first = [torch.randn(1, 2, 5, 16, generator=gen) for _ in range(2)]
+    layer.update(*first)
+    keys, values, held = layer.reserve(first[0], first[1], 3)  # room for 3 more, written by the caller
+    assert held == 5 and kv.get_seq_length() == 8 and keys.shape[-2] >= GROW_TOKENS
+    assert layer.keys.data_ptr() == keys.data_ptr() and torch.equal(layer.values[..., :5, :], first[1])
+    kv.crop(-2)
+    assert layer.get_seq_length() == 6 and layer.keys.shape[-2] == 6 and torch.equal(layer.keys[..., :5, :], first[0])
+    layer.keys, layer.values = layer.keys[..., :4, :], layer.values[..., :4, :]  # transformers' crop: a view
+    assert layer.get_seq_length() == 4 and layer._storage is not None
+    copied = copy.deepcopy(kv)
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # another tensor: a plain layer now
+    assert layer._storage is None and layer.get_seq_length() == 4 and torch.equal(layer.keys, first[0][..., :4, :])
+    more = [torch.randn(1, 2, 2, 16, generator=gen) for _ in range(2)]
+    layer.update(*more)
+    assert layer._storage is not None and torch.equal(layer.keys, torch.cat([first[0][..., :4, :], more[0]], dim=-2))
+    assert copied.get_seq_length() == 4 and torch.equal(copied.layers[0].values, first[1][..., :4, :])
 
 
 def test_sessions_read_the_prompt_in_place_and_hold_only_their_own_tokens(tiny_llama):
