@@ -226,7 +226,7 @@ def test_a_growing_layer_holds_a_count_and_reads_as_views_of_its_storage():
     layer, gen = kv.layers[0], torch.Generator().manual_seed(0)
     first = [torch.randn(1, 2, 5, 16, generator=gen) for _ in range(2)]
     layer.update(*first)
-    keys, values, held = layer.reserve(first[0], first[1], 3)  # room for 3 more, written by the caller
+    keys, _, held = layer.reserve(first[0], first[1], 3)  # room for 3 more, written by the caller
     assert held == 5 and kv.get_seq_length() == 8 and keys.shape[-2] >= GROW_TOKENS
     assert layer.keys.data_ptr() == keys.data_ptr() and torch.equal(layer.values[..., :5, :], first[1])
     kv.crop(-2)
