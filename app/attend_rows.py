@@ -62,16 +62,19 @@ def batched(tokens: int, kv, prefix, readable: dict[int, bool] | None = None) ->
 
 def _readable(layer) -> bool:
     """Whether C can read a prefix layer's keys/values in place: float32 positions of head_dim values apart."""
-    if not layer.is_initialized or layer.keys.numel() == 0:
+    if not layer.is_initialized:
         return False
-    keys, values = layer.keys, layer.values
+    keys, values = layer.keys, layer.values  # (each read of a GrowingLayer's makes a view: once here)
+    if keys.numel() == 0:
+        return False
     return (keys.dtype == values.dtype == torch.float32 and keys.stride() == values.stride()
             and keys.stride(-1) == 1 and keys.stride(-2) == keys.shape[-1])
 
 
 def _prefix_fields(layer) -> tuple[int, int, int, int]:
     """A prefix layer's part of RowKV: its keys, values, stride between heads, length."""
-    return layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.stride(1), layer.keys.shape[2]
+    keys = layer.keys
+    return keys.data_ptr(), layer.values.data_ptr(), keys.stride(1), keys.shape[2]
 
 
 class Batch:
