@@ -1,8 +1,11 @@
-"""The model in this process: one model segment is a loop of forward passes over the session's TokenCache
-(only uncached tokens are fed), sampling or verified prompt-lookup drafts, and a per-token stop check."""
+"""The model in this process: one model segment is a series of forward passes over the session's TokenCache
+(only uncached tokens are fed), sampling or verified prompt-lookup drafts, and a per-token stop check. The
+per-token work runs in the model scheduler's thread right after each pass (SegmentSteps), as a serving engine's
+loop does; the segment's own thread streams the text."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -55,68 +58,27 @@ class LocalBackend:
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
+        """The segment's passes go through the scheduler with their per-token work (SegmentSteps) done in its
+        thread right after each pass; this thread streams the text they queue."""
         if not settings.use_cache:
             cache.drop_kv()
-        grammar = self.loaded.answer_grammar
-        stops, detok = self.stops.start(), Detokenizer(self.tokenizer)
-        line = AnswerLine(after_tool=grammar.follows_a_tool(cache.ids))
-        lookup = PromptLookup(cache.ids) if settings.draft_tokens and settings.temperature <= 0 else None
-        # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
-        # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
-        draft_len = max(1, settings.draft_tokens // 2)
-        fail = None
+        steps = SegmentSteps(self, cache, settings, cancel, run, generator)
+        request = None
         try:
-            while run.stop is None:
-                if cancel is not None and cancel.is_set():
-                    run.stop = Stop(StopReason.CANCELLED)
-                    break
-                base = len(cache)
-                fail = Stop(StopReason.ERROR)  # if anything below raises, the tokens go back to `base`
-                generated = run.generated_tokens
-                room = min(settings.max_new_tokens - generated, settings.max_length - base) - 1
-                share = max(1, DRAFTS_PER_STEP // max(1, self.loaded.scheduler.rows_in_turns()))
-                drafts = lookup.propose(min(draft_len, room, share)) if lookup and generated else []
-                cache.extend(drafts)
-                # one step of the scheduler's batched pass, beside every other session's rows
-                try:
-                    logits, fed, hit = self.loaded.scheduler.forward(cache, keep=len(drafts) + 1, cancel=cancel)
-                except Cancelled as stopped:  # Stop during a long prefill: it ends between two chunks
-                    cache.truncate(base)
-                    if generated == 0:
-                        run.prefill_tokens, run.cached_tokens = stopped.fed, stopped.reused
-                    run.stop, fail = Stop(StopReason.CANCELLED), None
-                    break
-                if generated == 0:
-                    run.prefill_tokens, run.cached_tokens = fed, hit
-                tokens = self._choose(logits, drafts, settings, generator, line)
-                if drafts:
-                    full = len(tokens) > len(drafts)
-                    draft_len = min(settings.draft_tokens, draft_len + 2) if full else max(1, draft_len - 1)
-                cache.truncate(base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-                cache.extend(tokens[-1:])
-                deltas = []
-                with self.lock:  # the tokenizer
-                    for i, token in enumerate(tokens):  # each new token is checked in order
-                        run.generated_tokens += 1
-                        deltas.append(detok.push(token))
-                        line.push(deltas[-1])
-                        run.stop = stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
-                                               base + i + 1, settings.max_length)
-                        if run.stop is not None:
-                            cache.truncate(base + i + 1)  # nothing after the stop is kept
-                            break
-                fail = None
-                if lookup:
-                    lookup.sync()
+            keep = steps.next_pass()
+            if keep is None:
+                return
+            request = self.loaded.scheduler.submit(cache, keep, cancel, then=steps.passed, ended=steps.end)
+            while (deltas := steps.texts.get()) is not None:
                 for delta in deltas:
                     if delta:
                         yield delta
-        except Exception:
-            if fail is not None:  # the model (or sampling) failed mid-step: undo that step, say so, re-raise
-                cache.truncate(base)
-                run.stop = fail
-            raise
+            if request.error is not None:
+                steps.failed(request.error)
         finally:
+            if request is not None and not request.done.is_set():  # the stream was closed: the row ends after
+                steps.closed = True  # its pass in flight, which it drops (the cache stays this thread's after)
+                request.done.wait()
             if not settings.use_cache:
                 cache.drop_kv()
 
@@ -134,3 +96,104 @@ class LocalBackend:
                 break
             ahead.push(grammar.text(tokens[-1]))
         return tokens
+
+
+class SegmentSteps:
+    """One model segment's per-token work between its passes: the tokens the model agrees with (drafts) and its
+    own next one, their text, the stop check, the next drafts. Runs in the scheduler's thread right after each
+    pass (`passed`), as a serving engine's loop does, so the row is in the next step without waking its thread;
+    the text goes to the segment's thread through `texts` (a list of deltas a pass, None once it is done)."""
+
+    def __init__(self, backend: LocalBackend, cache: TokenCache, settings: Settings,
+                 cancel: threading.Event | None, run: SegmentRun, generator: torch.Generator):
+        self.backend, self.cache, self.settings, self.cancel, self.run = backend, cache, settings, cancel, run
+        self.generator = generator
+        self.stops, self.detok = backend.stops.start(), Detokenizer(backend.tokenizer)
+        self.line = AnswerLine(after_tool=backend.loaded.answer_grammar.follows_a_tool(cache.ids))
+        greedy_drafts = settings.draft_tokens and settings.temperature <= 0
+        self.lookup = PromptLookup(cache.ids) if greedy_drafts else None
+        # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
+        # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
+        self.draft_len = max(1, settings.draft_tokens // 2)
+        self.drafts: list[int] = []
+        self.base = len(cache)  # the ids before the pass in flight (and its drafts)
+        self.texts: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self.closed = False  # set by the segment's thread when its stream is closed
+
+    def next_pass(self) -> int | None:
+        """The next pass's drafts, added to the ids: its keep; None when the segment is over."""
+        run, settings, cache = self.run, self.settings, self.cache
+        if run.stop is not None:
+            return None
+        if self.closed or (self.cancel is not None and self.cancel.is_set()):
+            run.stop = Stop(StopReason.CANCELLED)
+            return None
+        self.base = len(cache)
+        generated = run.generated_tokens
+        room = min(settings.max_new_tokens - generated, settings.max_length - self.base) - 1
+        share = max(1, DRAFTS_PER_STEP // max(1, self.backend.loaded.scheduler.rows_in_turns()))
+        self.drafts = self.lookup.propose(min(self.draft_len, room, share)) if self.lookup and generated else []
+        cache.extend(self.drafts)
+        return len(self.drafts) + 1
+
+    def passed(self, logits: torch.Tensor, fed: int, hit: int) -> int | None:
+        """A pass is done (the scheduler's thread): take its tokens, check the stops, queue their text; the next
+        pass's keep, or None."""
+        run, settings, cache, drafts = self.run, self.settings, self.cache, self.drafts
+        if self.closed:  # nobody reads this segment any more: the pass it ran is dropped, the ids end at the last
+            # token taken, its keys/values not computed, as after any step (a Stop instead keeps the pass's tokens,
+            # which are streamed, and ends the segment before its next pass)
+            last = cache.ids[self.base - 1]
+            cache.truncate(self.base - 1)
+            cache.extend([last])
+            run.stop = Stop(StopReason.CANCELLED)
+            return None
+        try:
+            if run.generated_tokens == 0:
+                run.prefill_tokens, run.cached_tokens = fed, hit
+            tokens = self.backend._choose(logits, drafts, settings, self.generator, self.line)
+            if drafts:
+                full = len(tokens) > len(drafts)
+                self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
+            cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+            cache.extend(tokens[-1:])
+            deltas = []
+            with self.backend.lock:  # the tokenizer
+                for i, token in enumerate(tokens):  # each new token is checked in order
+                    run.generated_tokens += 1
+                    deltas.append(self.detok.push(token))
+                    self.line.push(deltas[-1])
+                    run.stop = self.stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
+                                                self.base + i + 1, settings.max_length)
+                    if run.stop is not None:
+                        cache.truncate(self.base + i + 1)  # nothing after the stop is kept
+                        break
+        except Exception:
+            self.failed_step()
+            raise
+        if self.lookup:
+            self.lookup.sync()
+        self.texts.put(deltas)
+        return self.next_pass()
+
+    def end(self) -> None:
+        """The request is done (any outcome): the segment's thread stops reading."""
+        self.texts.put(None)
+
+    def failed_step(self) -> None:
+        """The model (or sampling) failed mid-step: undo that step and say so."""
+        self.cache.truncate(self.base)
+        self.run.stop = Stop(StopReason.ERROR)
+
+    def failed(self, error: BaseException) -> None:
+        """The segment's thread, once the request ended with `error`: Stop during a long prefill ends it between
+        two chunks (recorded as cancelled); any other error is the step's failure, re-raised."""
+        if isinstance(error, Cancelled):
+            self.cache.truncate(self.base)
+            if self.run.generated_tokens == 0:
+                self.run.prefill_tokens, self.run.cached_tokens = error.fed, error.reused
+            self.run.stop = Stop(StopReason.CANCELLED)
+            return
+        if self.run.stop is None or self.run.stop.reason is not StopReason.ERROR:
+            self.failed_step()
+        raise error

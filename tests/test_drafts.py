@@ -68,18 +68,17 @@ def test_drafts_need_fewer_forward_passes(engine, monkeypatch):
 
 def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
     """Eight rows at once share one step's drafts (app.local_backend.DRAFTS_PER_STEP): each drafts at most 2."""
-    from app.local_backend import DRAFTS_PER_STEP
+    from app.local_backend import DRAFTS_PER_STEP, SegmentSteps
 
     scheduler = engine.loaded.scheduler
     plain = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40))
-    keeps, forward = [], scheduler.forward
-    monkeypatch.setattr(scheduler, "forward",
-                        lambda cache, keep=1, cancel=None: (keeps.append(keep), forward(cache, keep, cancel))[1])
+    keeps, next_pass = [], SegmentSteps.next_pass
+    monkeypatch.setattr(SegmentSteps, "next_pass", lambda steps: (keeps.append(keep := next_pass(steps)), keep)[1])
     monkeypatch.setattr(scheduler, "rows_in_turns", lambda: 8)
     busy = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40, draft_tokens=8))
     assert busy.token_ids == plain.token_ids
-    assert max(keeps) == DRAFTS_PER_STEP // 8 + 1  # (a draft and the model's own next token)
+    assert max(k for k in keeps if k) == DRAFTS_PER_STEP // 8 + 1  # (a draft and the model's own next token)
     keeps.clear()
     monkeypatch.setattr(scheduler, "rows_in_turns", lambda: 1)
     engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40, draft_tokens=8))
-    assert max(keeps) > DRAFTS_PER_STEP // 8 + 1
+    assert max(k for k in keeps if k) > DRAFTS_PER_STEP // 8 + 1

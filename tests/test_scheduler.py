@@ -288,3 +288,35 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     engine.run([f"question number {i}" for i in range(8)], Settings(max_new_tokens=4, max_turns=0))
     assert steps[0] == 8
     assert scheduler.rows_in_turns() == 0  # every row's scope was left
+
+
+def test_a_request_with_then_runs_its_passes_in_the_schedulers_thread_and_fails_alone(tiny_llama):
+    """submit(..., then=...): after each pass the scheduler's thread calls `then` (a decoding row's per-token work)
+    and runs the next pass in a later step without the row's thread; the greedy tokens are a solo run's. A `then`
+    that raises ends its own request with that error while a row beside it goes on; `ended` is called once each."""
+    scheduler = Scheduler(tiny_llama.model)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = greedy_steps(lambda c: c.forward(tiny_llama.model), prompts[0], 6)[0]
+    caches, got, threads, ended = [TokenCache(ids) for ids in prompts], [], [], []
+
+    def then_for(row: int):
+        def then(logits, fed, reused):
+            assert threading.current_thread() is scheduler._thread
+            if row == 1 and len(caches[1]) > 5:
+                raise RuntimeError("this row's work failed")
+            token = int(logits[-1].argmax())
+            (got if row == 0 else threads).append(token)
+            caches[row].extend([token])
+            return None if row == 0 and len(got) == 6 else 1
+        return then
+
+    requests = [scheduler.submit(caches[row], 1, then=then_for(row), ended=lambda row=row: ended.append(row))
+                for row in (0, 1)]
+    for request in requests:
+        request.done.wait(60)
+    assert got == want and requests[0].error is None
+    assert isinstance(requests[1].error, RuntimeError) and sorted(ended) == [0, 1]
+    with pytest.raises(RuntimeError, match="this row's work failed"):
+        requests[1].result()
+    caches[0].check()
+    scheduler.release()
