@@ -164,17 +164,21 @@ static void row_group64(const float *const *query, float *const *row_out, int pe
     }
 }
 
-/* A task's work: its tokens' queries times the positions they see (its last token's count). */
-static inline int64_t task_work(const RowKV *r, int64_t t0) {
-    int64_t n = r->n - t0 < CHUNK_TOKENS ? r->n - t0 : CHUNK_TOKENS;
-    return n * ((r->prefix_keys ? r->prefix_len : 0) + r->past + t0 + n);
+/* A task's tokens of row r from t0 (up to CHUNK_TOKENS), and the positions its last token sees. */
+static inline int64_t chunk_tokens(const RowKV *r, int64_t t0) {
+    return r->n - t0 < CHUNK_TOKENS ? r->n - t0 : CHUNK_TOKENS;
 }
+static inline int64_t chunk_last(const RowKV *r, int64_t t0) {
+    return (r->prefix_keys ? r->prefix_len : 0) + r->past + t0 + chunk_tokens(r, t0);
+}
+
+/* A task's work: its tokens' queries times the positions they see (its last token's count). */
+static inline int64_t task_work(const RowKV *r, int64_t t0) { return chunk_tokens(r, t0) * chunk_last(r, t0); }
 
 /* Row r's tokens t0.. (up to CHUNK_TOKENS) for key/value head g: 0, or 1 without memory for their scores. */
 static int run_task(const float *q, int64_t q_head, int64_t q_token, const RowKV *r, int64_t t0, int64_t g,
                     int per, int64_t heads, int64_t dim, float scale, float *out) {
-    int64_t n = r->n - t0 < CHUNK_TOKENS ? r->n - t0 : CHUNK_TOKENS;
-    int64_t last = (r->prefix_keys ? r->prefix_len : 0) + r->past + t0 + n, stride = (last + 15) / 16 * 16;
+    int64_t n = chunk_tokens(r, t0), stride = (chunk_last(r, t0) + 15) / 16 * 16;
     float *p = malloc(sizeof(float) * (size_t)(n * per * stride));
     if (!p) return 1;
     const float *query[GROUP_MAX * CHUNK_TOKENS];

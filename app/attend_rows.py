@@ -89,11 +89,10 @@ class Batch:
         on: attend() writes them, layer by layer (after a failed pass, TokenCache.rollback crops them)."""
         self.count = len(rows)
         self._tables = [(RowKV * len(rows))() for _ in rows[0].kv.layers] if rows else []
-        self._keep = []  # (every address in the tables stays valid while this holds the tensors)
         prefixes: dict[int, list] = {}
         for i, (row, (a, b)) in enumerate(zip(rows, spans)):
+            # (each storage stays its layer's through the pass, so the addresses in the tables hold)
             room = [layer.reserve(like, like, b - a) for layer in row.kv.layers]
-            self._keep.append(room)
             shared = None
             if row.prefix is not None:
                 shared = prefixes.get(id(row.prefix))

@@ -35,22 +35,12 @@ class GrowingLayer(DynamicLayer):
 
     _storage: tuple[torch.Tensor, torch.Tensor] | None = None
     _length = 0  # positions held, while the layer lives in _storage
+    _PLAIN = ("_keys", "_values")  # where a plain layer keeps its tensors
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._storage[0][..., : self._length, :] if self._storage is not None else self.__dict__.get("_keys")
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._set(0, value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._storage[1][..., : self._length, :] if self._storage is not None else self.__dict__.get("_values")
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._set(1, value)
+    def _get(self, part: int) -> torch.Tensor | None:
+        if self._storage is not None:
+            return self._storage[part][..., : self._length, :]
+        return self.__dict__.get(self._PLAIN[part])
 
     def _set(self, part: int, value: torch.Tensor | None) -> None:
         storage = self._storage
@@ -62,7 +52,10 @@ class GrowingLayer(DynamicLayer):
                 return
             self.__dict__["_keys"], self.__dict__["_values"] = self.keys, self.values  # plain tensors from here
             self._storage = None
-        self.__dict__["_keys" if part == 0 else "_values"] = value
+        self.__dict__[self._PLAIN[part]] = value
+
+    keys = property(lambda self: self._get(0), lambda self, value: self._set(0, value))
+    values = property(lambda self: self._get(1), lambda self, value: self._set(1, value))
 
     def get_seq_length(self) -> int:
         return self._length if self._storage is not None else super().get_seq_length()
