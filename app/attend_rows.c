@@ -1,10 +1,10 @@
 /* Every row of a ragged pass with up to 64 new tokens, attending in one call a layer (app/attend_rows.py): each
  * row's new keys/values written into its cache's room, then each new query's attention over the row's shared
- * prefix and its own keys as one softmax, (row, 4 of its tokens, key/value head) tasks shared between the calling
- * thread's OpenMP team. Each query is computed alone in one fixed order, so its bits depend on its own row only:
- * never on the rows beside it, the task it falls in or the threads (tests/test_attend_rows.py checks these
- * bitwise). */
-
+ * prefix and its own keys, shared between the calling thread's OpenMP team in two phases: first every row's
+ * queries over their shared prefix, up to 16 queries a task whatever their rows (one vector lane each), then each
+ * row's tokens over its own keys, merged with their prefix part. Each query is computed in its own lane in one
+ * fixed order, so its bits depend on its own row only: never on the rows beside it, the task or lane it falls in
+ * or the threads (tests/test_attend_rows.py checks these bitwise). */
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -24,8 +24,9 @@ typedef struct {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define GROUP_MAX 8 /* query heads per key/value head the fast path takes */
-#define CHUNK_TOKENS 4 /* a task's tokens of one row: a row of many splits between the threads (a query's bits are
-                        * its own: the same in any task) */
+#define CHUNK_TOKENS(per) (16 / (per)) /* a task's tokens of one row: its queries fill at most one vector's lanes; a
+                                       * row of many splits between the threads (a query's bits are its own: the same
+                                       * in any task) */
 
 /* e^x for 16 lanes: exp_approx's arithmetic (fastmath.h), 2^k applied with scalef (exact, as its exponent bits). */
 static inline __m512 exp16(__m512 x) {
@@ -44,152 +45,202 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(e, k);
 }
 
-/* q . key's 64 values as 16 lanes of partial sums (each over 4 of the values). */
-static inline __m512 partial_dot64(const float *q, const float *key) {
-    __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(key + 16),
-                               _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key)));
-    __m512 b = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), _mm512_loadu_ps(key + 48),
-                               _mm512_mul_ps(_mm512_loadu_ps(q + 32), _mm512_loadu_ps(key + 32)));
-    return _mm512_add_ps(a, b);
-}
-
-/* Lane i: the sum of t[i]'s 16 lanes, for 16 vectors at once (a transpose folded into the adds). Each lane only
- * ever adds t[i]'s own partial sums, in a fixed order: a key's score does not depend on its block's other keys. */
-static inline __m512 sum_across16(const __m512 *t) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [t(2i) 0+2, t(2i+1) 0+2, t(2i) 1+3, t(2i+1) 1+3] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: t(4i) .. t(4i+3), each over that lane's four values */
-        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+/* Scores of up to 16 queries (lane x: query x; qt: value d of every query at 16 d) for 16 keys at kb (64 values
+ * each, one after another): lane x of acc[i] is q_x[0] k_i[0] + ... + q_x[63] k_i[63] as one chain of multiply-adds
+ * in that order, so a pair's bits are the same in any lane, block or task. Keys across lanes need no sum across
+ * lanes (that transpose was a third of the old kernel's time). */
+static inline void block_scores(const float *qt, const float *kb, const float *next, __m512 *acc) {
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; d++) {
+        __m512 q = _mm512_load_ps(qt + 16 * d);
+        _mm_prefetch((const char *)(next + 16 * d), _MM_HINT_T0); /* the next block's 64 lines, one an iteration */
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(q, _mm512_set1_ps(kb[64 * i + d]), acc[i]);
     }
-    __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-    __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
-/* o[x] += the sum of w[x][i] * value[i] over a block's `count` positions, for `tile` queries at once: each query
- * adds position by position as it would alone (the same bits), but the tile's 4 * tile running sums are independent
- * chains (one query's 4 waited on each multiply-add's latency: a third of this kernel's time in a profile) and
- * each value is loaded once for the tile. */
-static inline void weigh_values(const float *const *value, int64_t count, const float *const *w, float *const *o,
+/* o[x] += p[j][x0 + x] * value j over `count` positions (values 64 apart, p 16 apart), for `tile` queries: each
+ * query adds position by position in one order (the same bits in any tile); each value is loaded once for the tile
+ * and the tile's 4 * tile running sums are independent chains. */
+static inline void weigh_values(const float *value, const float *p, int64_t count, int x0, __m512 (*acc)[4],
                                 const int tile) {
-    __m512 acc[4][4];
-    for (int x = 0; x < tile; x++)
-        for (int c = 0; c < 4; c++) acc[x][c] = _mm512_loadu_ps(o[x] + 16 * c);
     for (int64_t i = 0; i < count; i++) {
-        __m512 v0 = _mm512_loadu_ps(value[i]), v1 = _mm512_loadu_ps(value[i] + 16),
-               v2 = _mm512_loadu_ps(value[i] + 32), v3 = _mm512_loadu_ps(value[i] + 48);
+        __m512 v0 = _mm512_loadu_ps(value + 64 * i), v1 = _mm512_loadu_ps(value + 64 * i + 16),
+               v2 = _mm512_loadu_ps(value + 64 * i + 32), v3 = _mm512_loadu_ps(value + 64 * i + 48);
         for (int x = 0; x < tile; x++) {
-            __m512 wi = _mm512_set1_ps(w[x][i]);
-            acc[x][0] = _mm512_fmadd_ps(wi, v0, acc[x][0]);
-            acc[x][1] = _mm512_fmadd_ps(wi, v1, acc[x][1]);
-            acc[x][2] = _mm512_fmadd_ps(wi, v2, acc[x][2]);
-            acc[x][3] = _mm512_fmadd_ps(wi, v3, acc[x][3]);
+            __m512 w = _mm512_set1_ps(p[16 * i + x0 + x]);
+            acc[x][0] = _mm512_fmadd_ps(w, v0, acc[x][0]);
+            acc[x][1] = _mm512_fmadd_ps(w, v1, acc[x][1]);
+            acc[x][2] = _mm512_fmadd_ps(w, v2, acc[x][2]);
+            acc[x][3] = _mm512_fmadd_ps(w, v3, acc[x][3]);
         }
     }
-    for (int x = 0; x < tile; x++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[x] + 16 * c, acc[x][c]);
 }
 
-static inline __mmask16 first(int64_t count) { return count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1); }
+/* The lanes (of queries t * per + h, t a token) that see position j, where the task's first token sees seen0 + 1
+ * positions: every lane up to seen0, then not the tokens before the one at j. */
+static inline __mmask16 seen_by(int64_t j, int64_t seen0, int per) {
+    int64_t hidden = j > seen0 ? (j - seen0) * per : 0;
+    return hidden >= 16 ? 0 : (__mmask16)(0xffffu << hidden);
+}
 
-/* A row's new tokens t0..t0 + n - 1 for one key/value head: its `per` query heads each, n * per queries. Keys and
- * values are read 16 positions at a time for all of them while the block is in the core's first cache (n tokens
- * read their keys once, not n times). Query (t, h) sees the first `seen[t]` positions (prefix, then own); each
- * score, the softmax and the weighted sum run in one fixed order, the same whatever n or t0. p: n * per * stride
- * floats; out[(t * per + h)]: each query's 64 outputs. */
-static void row_group64(const float *const *query, float *const *row_out, int per, const RowKV *r, int64_t t0,
-                        int64_t n, int64_t group, float scale, float *p, int64_t stride) {
-    const float *pk = r->prefix_keys ? r->prefix_keys + group * r->prefix_stride : NULL;
-    const float *pv = pk ? r->prefix_values + group * r->prefix_stride : NULL;
-    const float *k = r->keys + group * r->group_stride, *v = r->values + group * r->group_stride;
-    int64_t before = pk ? r->prefix_len : 0, seen0 = before + r->past + t0; /* (seen0: by every query here) */
-    int64_t queries = n * per, last = seen0 + n;
-    __m512 scales = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < last; j0 += 16) {
-        const float *key[16];
-        for (int i = 0; i < 16; i++) {
-            int64_t j = j0 + i < last ? j0 + i : j0; /* (past the end: any key; its lane is not stored) */
-            key[i] = j < before ? pk + j * 64 : k + (j - before) * 64;
+static inline int has_prefix(const RowKV *r) { return r->prefix_keys != NULL && r->prefix_len > 0; }
+
+#define PART 80 /* floats of a query's prefix part: o[64], m, l (a multiple of 16: each part's o stays aligned) */
+#define PART_M 64
+#define PART_L 65
+#define VALUE_BLOCK 64 /* positions whose values (16 KB) every query tile reads while they are in the first cache */
+
+/* A task's tokens of row r from t0 (up to CHUNK_TOKENS). */
+static inline int64_t chunk_tokens(const RowKV *r, int64_t t0, int per) {
+    return r->n - t0 < CHUNK_TOKENS(per) ? r->n - t0 : CHUNK_TOKENS(per);
+}
+
+#define TASK_BASE 23 /* a position's work for 16 lanes' scores and softmax, in one query's weighted values' */
+
+/* An own task's work: the positions its last token sees times (TASK_BASE + its queries). */
+static inline int64_t task_work(const RowKV *r, int64_t t0, int per) {
+    int64_t n = chunk_tokens(r, t0, per);
+    return (r->past + t0 + n) * (TASK_BASE + n * per);
+}
+
+/* Whether this thread (me of threads) takes the next task of `work`, of a phase's `total`: each takes the tasks
+ * whose middle falls in its share, one run in order. */
+static inline int mine(int64_t *done, int64_t work, int64_t total, int threads, int me) {
+    int64_t middle = 2 * *done + work;
+    *done += work;
+    return middle * threads >= 2 * total * me && middle * threads < 2 * total * (me + 1);
+}
+
+/* Attention of up to 16 queries (one lane each: query[x]) over `count` positions of keys k and values v (64
+ * floats a position, one after another); lane x sees positions j < seen0 + x / per + 1 (all of them where
+ * seen0 >= count: a shared prefix). Per lane: m[x] the largest scaled score, l[x] the sum of e^(s - m), o[x] the
+ * sum of e^(s - m) v (not divided: a prefix's part is merged with the row's own, see merge). Each lane runs the
+ * same arithmetic in the same order whatever the other lanes hold. p: 16 floats a position (rounded up to 16). */
+static void lanes_part(const float *const *query, int queries, int per, const float *k, const float *v,
+                       int64_t count, int64_t seen0, float scale, float *p, float *m, float *l, float *const *o) {
+    float qt[64 * 16] __attribute__((aligned(64))) = {0}, block[16 * 64];
+    for (int x = 0; x < queries; x++)
+        for (int d = 0; d < 64; d++) qt[16 * d + x] = query[x][d];
+    __m512 scales = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY), top = none;
+    for (int64_t j0 = 0; j0 < count; j0 += 16) {
+        const float *kb = k + 64 * j0;
+        if (j0 + 16 > count) { /* the last block: its keys then zeros (storage past them is not ours to read) */
+            for (int i = 0; i < 16 * 64; i++) block[i] = j0 * 64 + i < count * 64 ? kb[i] : 0.0f;
+            kb = block;
         }
-        for (int64_t x = 0; x < queries; x++) {
-            int64_t seen = seen0 + x / per + 1;
-            if (j0 >= seen) continue;
-            __m512 t[16];
-            for (int i = 0; i < 16; i++) t[i] = partial_dot64(query[x], key[i]);
-            _mm512_mask_storeu_ps(p + x * stride + j0, first(seen - j0), _mm512_mul_ps(sum_across16(t), scales));
+        __m512 acc[16];
+        block_scores(qt, kb, j0 + 32 <= count ? kb + 1024 : kb, acc);
+        for (int i = 0; i < 16 && j0 + i < count; i++) {
+            __m512 s = _mm512_mask_blend_ps(seen_by(j0 + i, seen0, per), none, _mm512_mul_ps(acc[i], scales));
+            _mm512_store_ps(p + 16 * (j0 + i), s);
+            top = _mm512_max_ps(top, s);
         }
     }
-    float share[GROUP_MAX * CHUNK_TOKENS];
-    for (int64_t x = 0; x < queries; x++) {
-        float *px = p + x * stride;
-        int64_t seen = seen0 + x / per + 1;
-        __m512 m = _mm512_set1_ps(max_of(px, seen, 0, -INFINITY)), sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < seen; j += 16) {
-            __mmask16 lanes = first(seen - j);
-            __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, px + j), m)));
-            _mm512_mask_storeu_ps(px + j, lanes, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        share[x] = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int c = 0; c < 64; c += 16) _mm512_storeu_ps(row_out[x] + c, _mm512_setzero_ps());
+    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t j = 0; j < count; j++) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(p + 16 * j), top));
+        e = _mm512_maskz_mov_ps(seen_by(j, seen0, per), e); /* (e^-inf: 0, not exp16's clamped e^-87) */
+        _mm512_store_ps(p + 16 * j, e);
+        sums[j & 3] = _mm512_add_ps(sums[j & 3], e);
     }
-    for (int64_t j0 = 0; j0 < last; j0 += 16) {
-        const float *value[16];
-        for (int i = 0; i < 16 && j0 + i < last; i++) {
-            int64_t j = j0 + i;
-            value[i] = j < before ? pv + j * 64 : v + (j - before) * 64;
-        }
-        for (int64_t t = 0; t < n; t++) { /* a token's `per` queries see the same positions: tiles of up to 4 */
-            int64_t seen = seen0 + t + 1, count = seen - j0 < 16 ? seen - j0 : 16;
-            for (int64_t x = t * per; count > 0 && x < (t + 1) * per; x += 4) {
-                const float *w[4];
-                float *o[4];
-                int tile = (t + 1) * per - x < 4 ? (int)((t + 1) * per - x) : 4;
-                for (int i = 0; i < tile; i++) w[i] = p + (x + i) * stride + j0, o[i] = row_out[x + i];
-                switch (tile) {
-                case 1: weigh_values(value, count, w, o, 1); break;
-                case 2: weigh_values(value, count, w, o, 2); break;
-                case 3: weigh_values(value, count, w, o, 3); break;
-                default: weigh_values(value, count, w, o, 4); break;
-                }
+    _mm512_storeu_ps(m, top);
+    _mm512_storeu_ps(l, _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
+    /* Values a block at a time, every tile of up to 4 queries reading the block while it is in the first cache
+     * (tiles of about equal size; a query weighs positions it does not see by 0: exactly its own sums) */
+    int tiles = (queries + 3) / 4, tile_of[4], first_of[4];
+    __m512 sum[4][4][4];
+    for (int t = 0, x0 = 0; t < tiles; t++) {
+        first_of[t] = x0, tile_of[t] = (queries - x0) / (tiles - t), x0 += tile_of[t];
+        for (int x = 0; x < 4; x++)
+            for (int c = 0; c < 4; c++) sum[t][x][c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < count; j += VALUE_BLOCK)
+        for (int t = 0; t < tiles; t++) {
+            int x0 = first_of[t];
+            int64_t end = seen0 + (x0 + tile_of[t] - 1) / per + 1; /* positions the tile's last query sees */
+            int64_t n = (end < count ? end : count) - j;
+            n = n < VALUE_BLOCK ? n : VALUE_BLOCK;
+            switch (tile_of[t]) {
+            case 1: weigh_values(v + 64 * j, p + 16 * j, n, x0, sum[t], 1); break;
+            case 2: weigh_values(v + 64 * j, p + 16 * j, n, x0, sum[t], 2); break;
+            case 3: weigh_values(v + 64 * j, p + 16 * j, n, x0, sum[t], 3); break;
+            default: weigh_values(v + 64 * j, p + 16 * j, n, x0, sum[t], 4); break;
             }
         }
+    for (int t = 0; t < tiles; t++)
+        for (int x = 0; x < tile_of[t]; x++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[first_of[t] + x] + 16 * c, sum[t][x][c]);
+}
+
+/* A query's output from its own part (m, l, o) and, where its row has one, its prefix part (pm, pl, po): one
+ * softmax over both, as flash attention merges blocks, in one fixed order. */
+static void merge(float m, float l, const float *o, const float *prefix, float *out) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_set1_ps(1.0f), share;
+    if (prefix) {
+        float pm = prefix[PART_M], top = pm > m ? pm : m, pa = exp_approx(pm - top), ob = exp_approx(m - top);
+        a = _mm512_set1_ps(pa), b = _mm512_set1_ps(ob);
+        share = _mm512_set1_ps(1.0f / (prefix[PART_L] * pa + l * ob));
+    } else {
+        share = _mm512_set1_ps(1.0f / l);
     }
-    for (int64_t x = 0; x < queries; x++) {
-        __m512 s = _mm512_set1_ps(share[x]);
-        float *o = row_out[x];
-        for (int c = 0; c < 64; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), s));
+    for (int c = 0; c < 64; c += 16) {
+        __m512 mine = _mm512_mul_ps(_mm512_loadu_ps(o + c), b);
+        if (prefix) mine = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(prefix + c), a), mine);
+        _mm512_storeu_ps(out + c, _mm512_mul_ps(mine, share));
     }
 }
 
-/* A task's tokens of row r from t0 (up to CHUNK_TOKENS), and the positions its last token sees. */
-static inline int64_t chunk_tokens(const RowKV *r, int64_t t0) {
-    return r->n - t0 < CHUNK_TOKENS ? r->n - t0 : CHUNK_TOKENS;
-}
-static inline int64_t chunk_last(const RowKV *r, int64_t t0) {
-    return (r->prefix_keys ? r->prefix_len : 0) + r->past + t0 + chunk_tokens(r, t0);
+/* A pass's shapes and scratch, as the tasks read them. */
+typedef struct {
+    const float *q;
+    int64_t q_head, q_token, heads, dim;
+    int per;
+    float scale;
+    float *out, *parts; /* parts: each (token, head)'s prefix part, PART floats (o[64], m, l) */
+} Pass;
+
+static inline const float *query_of(const Pass *s, int64_t token, int64_t h) {
+    return s->q + h * s->q_head + token * s->q_token;
 }
 
-/* A task's work: its tokens' queries times the positions they see (its last token's count). */
-static inline int64_t task_work(const RowKV *r, int64_t t0) { return chunk_tokens(r, t0) * chunk_last(r, t0); }
-
-/* Row r's tokens t0.. (up to CHUNK_TOKENS) for key/value head g: 0, or 1 without memory for their scores. */
-static int run_task(const float *q, int64_t q_head, int64_t q_token, const RowKV *r, int64_t t0, int64_t g,
-                    int per, int64_t heads, int64_t dim, float scale, float *out) {
-    int64_t n = chunk_tokens(r, t0), stride = (chunk_last(r, t0) + 15) / 16 * 16;
-    float *p = malloc(sizeof(float) * (size_t)(n * per * stride));
+/* A prefix task: up to 16 (token, head) queries of rows sharing row r's prefix, all of key/value head g. */
+static int prefix_task(const Pass *s, const RowKV *r, int64_t g, const int64_t *which, int queries) {
+    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((r->prefix_len + 15) / 16 * 16));
     if (!p) return 1;
-    const float *query[GROUP_MAX * CHUNK_TOKENS];
-    float *outs[GROUP_MAX * CHUNK_TOKENS];
+    const float *query[16] = {0};
+    float *o[16] = {0}, m[16], l[16];
+    for (int x = 0; x < queries; x++) {
+        query[x] = query_of(s, which[x] / s->heads, which[x] % s->heads);
+        o[x] = s->parts + which[x] * PART;
+    }
+    lanes_part(query, queries, 1, r->prefix_keys + g * r->prefix_stride, r->prefix_values + g * r->prefix_stride,
+               r->prefix_len, r->prefix_len, s->scale, p, m, l, o);
+    for (int x = 0; x < queries; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
+    free(p);
+    return 0;
+}
+
+/* An own task: row r's tokens t0.. (up to CHUNK_TOKENS) for key/value head g over the row's own keys, merged with
+ * their prefix parts into the outputs. */
+static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g) {
+    int per = s->per;
+    int64_t n = chunk_tokens(r, t0, per), count = r->past + t0 + n;
+    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((count + 15) / 16 * 16));
+    if (!p) return 1;
+    const float *query[16];
+    float own[16][64], *o[16], m[16], l[16];
+    for (int64_t t = 0; t < n; t++)
+        for (int i = 0; i < per; i++) query[t * per + i] = query_of(s, r->first + t0 + t, g * per + i);
+    for (int x = 0; x < 16; x++) o[x] = own[x];
+    lanes_part(query, (int)(n * per), per, r->keys + g * r->group_stride, r->values + g * r->group_stride, count,
+               r->past + t0, s->scale, p, m, l, o);
     for (int64_t t = 0; t < n; t++)
         for (int i = 0; i < per; i++) {
-            int64_t h = g * per + i, token = r->first + t0 + t;
-            query[t * per + i] = q + h * q_head + token * q_token;
-            outs[t * per + i] = out + (token * heads + h) * dim;
+            int64_t at = (r->first + t0 + t) * s->heads + g * per + i;
+            merge(m[t * per + i], l[t * per + i], own[t * per + i], has_prefix(r) ? s->parts + at * PART : NULL,
+                  s->out + at * s->dim);
         }
-    row_group64(query, outs, per, r, t0, n, g, scale, p, stride);
     free(p);
     return 0;
 }
@@ -230,20 +281,56 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
                 }
             }
     }
-    int failed = 0, per = (int)(heads / groups);
-    int64_t chunks = 0; /* tasks: (key/value head, row, its tokens t0.. in chunks of CHUNK_TOKENS) */
-    for (int64_t i = 0; i < count; i++) chunks += (rows[i].n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
-    int64_t *chunk_row = malloc(sizeof(int64_t) * (size_t)(2 * chunks)), *chunk_t0 = chunk_row + chunks;
-    if (!chunk_row && chunks) return -1;
-    int64_t total = 0; /* the tasks' work: queries x positions seen */
-    for (int64_t i = 0, c = 0; i < count; i++)
-        for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS, c++) {
-            chunk_row[c] = i, chunk_t0[c] = t0;
-            total += groups * task_work(&rows[i], t0);
+    int per = (int)(heads / groups), failed = 0;
+    int64_t tokens = 0, shared = 0, chunks = 0;
+    for (int64_t i = 0; i < count; i++) {
+        tokens = rows[i].first + rows[i].n > tokens ? rows[i].first + rows[i].n : tokens;
+        shared += has_prefix(&rows[i]) ? rows[i].n * heads : 0;
+        chunks += (rows[i].n + CHUNK_TOKENS(per) - 1) / CHUNK_TOKENS(per);
+    }
+    Pass s = {q, q_head, q_token, heads, dim, per, scale, out, NULL};
+    /* Phase 1's tasks: each shared prefix's queries (its rows in order, their tokens, the head's query heads) for
+     * each key/value head, 16 at a time; phase 2's: (key/value head, row, its tokens t0.. in chunks) */
+    int64_t *which = malloc(sizeof(int64_t) * (size_t)(4 * shared + 2 * chunks + count + 1));
+    s.parts = aligned_alloc(64, sizeof(float) * PART * (size_t)(shared ? tokens * heads : 1));
+    if (!which || !s.parts) {
+        free(which), free(s.parts);
+        return -1;
+    }
+    int64_t *leader = which + shared, *task_at = leader + count, *task_lead = task_at + shared,
+            *task_head = task_lead + shared, *chunk_row = task_head + shared, *chunk_t0 = chunk_row + chunks;
+    int64_t w = 0, tasks = 0, prefix_work = 0, own_work = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const RowKV *r = &rows[i];
+        leader[i] = i;
+        for (int64_t j = 0; j < i; j++)
+            if (leader[j] == j && rows[j].prefix_keys == r->prefix_keys && rows[j].prefix_values == r->prefix_values
+                && rows[j].prefix_stride == r->prefix_stride && rows[j].prefix_len == r->prefix_len) {
+                leader[i] = j;
+                break;
+            }
+    }
+    for (int64_t i = 0; i < count; i++) {
+        if (leader[i] != i || !has_prefix(&rows[i])) continue;
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t start = w;
+            for (int64_t j = i; j < count; j++)
+                for (int64_t t = 0; leader[j] == i && t < rows[j].n; t++)
+                    for (int h = 0; h < per; h++) which[w++] = (rows[j].first + t) * heads + g * per + h;
+            for (int64_t at = start; at < w; at += 16) {
+                task_at[tasks] = at, task_lead[tasks] = i, task_head[tasks++] = g;
+                prefix_work += rows[i].prefix_len * (TASK_BASE + (w - at < 16 ? w - at : 16));
+            }
         }
-    /* Each thread takes one run of tasks in key/value-head order, of about equal work: a core reads about
-     * groups / threads heads' keys and values a layer, not every head's (8 rows x 13 tokens: ~6 % less time than
-     * tasks dealt out one by one). */
+    }
+    task_at[tasks] = w;
+    for (int64_t i = 0, c = 0; i < count; i++)
+        for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), c++) {
+            chunk_row[c] = i, chunk_t0[c] = t0;
+            own_work += groups * task_work(&rows[i], t0, per);
+        }
+    /* Each thread takes one run of each phase's tasks, in key/value-head order, of about equal work: a core reads
+     * about groups / threads heads' keys and values a layer, not every head's. */
 #pragma omp parallel reduction(| : failed)
     {
         int threads = 1, me = 0;
@@ -251,15 +338,22 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
         threads = omp_get_num_threads(), me = omp_get_thread_num();
 #endif
         int64_t done = 0;
+        for (int64_t task = 0; task < tasks; task++) {
+            const RowKV *r = &rows[task_lead[task]];
+            int64_t end = task + 1 < tasks ? task_at[task + 1] : w, n = end - task_at[task] < 16 ? end - task_at[task] : 16;
+            if (mine(&done, r->prefix_len * (TASK_BASE + n), prefix_work, threads, me))
+                failed |= prefix_task(&s, r, task_head[task], which + task_at[task], (int)n);
+        }
+#pragma omp barrier
+        done = 0;
         for (int64_t task = 0; task < chunks * groups; task++) {
             const RowKV *r = &rows[chunk_row[task % chunks]];
-            int64_t t0 = chunk_t0[task % chunks], work = task_work(r, t0), middle = 2 * done + work;
-            done += work;
-            if (middle * threads < 2 * total * me || middle * threads >= 2 * total * (me + 1)) continue;
-            failed |= run_task(q, q_head, q_token, r, t0, task / chunks, per, heads, dim, scale, out);
+            int64_t t0 = chunk_t0[task % chunks];
+            if (mine(&done, task_work(r, t0, per), own_work, threads, me))
+                failed |= own_task(&s, r, t0, task / chunks);
         }
     }
-    free(chunk_row);
+    free(which), free(s.parts);
     return failed ? -1 : 0;
 #else
     (void)q, (void)q_head, (void)q_token, (void)k, (void)k_head, (void)k_token, (void)v, (void)v_head;

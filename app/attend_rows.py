@@ -6,10 +6,11 @@ rows that read it), a cache write, a call for the row's own part and a merge of 
 dispatch each, most of an 8-row step's attention (8 rows over the 800-token prompt: ~19 of ~47 ms a step), and
 PyTorch's flash kernel costs ~37 us a call whatever the work. Here one call a layer writes every such row's new
 keys/values into its cache's room (kvcache.GrowingLayer.reserve) and computes each new query over the prefix's
-keys and its own as one softmax, (row, 4 of its tokens, key/value head) tasks shared between the model's threads,
-each reading the row's keys once for its tokens' queries. Each query is computed alone in a fixed order (the same
-whatever the row's token count or task), so a row's bits never depend on the rows beside it; longer rows (prefill
-chunks) stay with the flash kernel's blocked matmuls."""
+keys and its own: every row's queries over a prefix they share 16 at a time (one vector lane each, so a key is
+read once for all of them), then each row's over its own keys, the two parts merged as flash attention merges
+blocks. Each query is computed in its own lane in a fixed order (the same whatever the row's token count, task or
+lane), so a row's bits never depend on the rows beside it; longer rows (prefill chunks) stay with the flash
+kernel's blocked matmuls."""
 
 from __future__ import annotations
 

@@ -46,15 +46,18 @@ def _filled(config, length: int, gen: torch.Generator) -> DynamicCache | None:
     return kv
 
 
-def _pass(cases: list[Case], heads: int, groups: int, dim: int, seed: int):
+def _pass(cases: list[Case], heads: int, groups: int, dim: int, seed: int, share: bool = False):
     """The rows of `cases` with their caches, and one pass's q/k/v laid out as the fused layer has them (views
-    of one [tokens, width] tensor: strides between heads of dim, between tokens of width)."""
+    of one [tokens, width] tensor: strides between heads of dim, between tokens of width). `share`: rows with
+    prefixes of one length share one prefix (as sessions share their system prompt's)."""
     gen = torch.Generator().manual_seed(seed)
     config = _config(heads, groups, dim)
-    rows = []
+    rows, prefixes = [], {}
     for case in cases:
         own = _filled(config, case.past, gen) or new_kv(config)
-        rows.append(FakeRow(own, _filled(config, case.shared, gen)))
+        if not share or case.shared not in prefixes:
+            prefixes[case.shared] = _filled(config, case.shared, gen)
+        rows.append(FakeRow(own, prefixes[case.shared]))
     tokens = sum(case.n for case in cases)
     y = torch.randn(tokens, (heads + 2 * groups) * dim, generator=gen)
     q, k, v = (p.view(1, tokens, -1, dim).transpose(1, 2) for p in y.split([heads * dim, groups * dim,
@@ -84,7 +87,7 @@ CASES = [
     [Case(1, 0, 0)],  # a new session's first token, no prefix
     [Case(1, 100, 0), Case(3, 40, 800), Case(1, 0, 30), Case(16, 5, 0)],
     [Case(8, 1500, 0), Case(2, 17, 900)],
-    [Case(37, 60, 800), Case(1, 5, 800), Case(BATCH_TOKENS, 0, 0)],  # tool results: rows split into tasks of 4
+    [Case(37, 60, 800), Case(1, 5, 800), Case(BATCH_TOKENS, 0, 0)],  # tool results: rows split into several tasks
 ]
 
 
@@ -93,11 +96,12 @@ needs_fast = pytest.mark.skipif(not (native.library() and available(_config(9, 3
 
 
 @needs_fast
+@pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("cases", CASES)
 @pytest.mark.parametrize("heads,groups", [(9, 3), (8, 2), (4, 4), (8, 1)])
-def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups):
+def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups, share):
     dim = 64
-    rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=len(cases) + heads)
+    rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=len(cases) + heads, share=share)
     want = [_reference(row, case, q, k, v, span, 0.125) for row, case, span in zip(rows, cases, spans)]
     out = torch.full((q.shape[2], heads, dim), float("nan"))
     Batch(rows, spans, k).attend(q, k, v, 0, 0.125, out)
@@ -135,6 +139,23 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads():
 
 
 @needs_fast
+@pytest.mark.parametrize("heads,groups", [(9, 3), (8, 1)])
+def test_rows_sharing_a_prefix_get_the_bits_they_get_alone(heads, groups):
+    """Rows sharing a prefix have their queries over it computed 16 to a task whatever their rows, one lane each:
+    a row's tokens fall in other lanes and tasks beside other rows (here 3 to 6 tasks a key/value head) than alone,
+    and still get the same bits."""
+    cases = [Case(1, 30, 300), Case(5, 0, 300), Case(2, 90, 300), Case(7, 12, 300), Case(3, 4, 0)]
+    rows, spans, q, k, v = _pass(cases, heads, groups, 64, seed=5, share=True)
+    together = torch.empty(q.shape[2], heads, 64)
+    Batch(rows, spans, k).attend(q, k, v, 0, 0.125, together)
+    for i, (a, b) in enumerate(spans):
+        rows, spans, q, k, v = _pass(cases, heads, groups, 64, seed=5, share=True)
+        alone = torch.empty(q.shape[2], heads, 64)
+        Batch(rows[i:i + 1], spans[i:i + 1], k).attend(q, k, v, 0, 0.125, alone)
+        assert torch.equal(alone[a:b], together[a:b]), f"row {i}"
+
+
+@needs_fast
 def test_which_models_attend_here():
     """The C path covers 64-value heads with up to 8 query heads a key/value head (the bundled model: 64, 3);
     other models keep PyTorch's kernels for every row."""
@@ -164,8 +185,8 @@ def test_without_the_library_pytorch_runs(monkeypatch):
 @needs_fast
 @pytest.mark.parametrize("n", [4, 11])
 def test_a_token_gets_the_same_bits_in_a_draft_as_alone(n):
-    """Each query's scores, softmax and sums run in one order whatever its row's token count or the task its token
-    falls in (a row's tokens go 4 to a task), so a drafted token's attention is the same bits as when it is fed
+    """Each query's scores, softmax and sums run in one order whatever its row's token count or the task and lane
+    its token falls in (a row's tokens go 16 // query heads a key/value head to a task), so a drafted token's attention is the same bits as when it is fed
     alone after the tokens before it."""
     config = _config(9, 3, 64)
     rows, spans, q, k, v = _pass([Case(n, 30, 200)], 9, 3, 64, seed=9)
