@@ -207,13 +207,17 @@ class PromptLookup:
         self.sync()
 
     def sync(self) -> None:
-        """Index every position whose continuation is known (all but the last token)."""
-        ids = self._ids
-        for i in range(self._indexed, len(ids)):
-            for n in self._sizes:
-                if i >= n:
-                    self._after[tuple(ids[i - n:i])] = i
-        self._indexed = max(self._indexed, len(ids))
+        """Index every position whose continuation is known (all but the last token): for each size, the n-grams
+        ending before positions lo..end-1 in order, so each keeps its latest. In C loops (zip, dict.update): a
+        segment indexes its session's whole prompt first, ~1 ms a segment one tuple at a time, which 8 turns
+        starting together paid one after another before their first pass."""
+        ids, end = self._ids, len(self._ids)
+        for n in self._sizes:
+            lo = max(self._indexed, n)
+            if lo < end:
+                grams = zip(*(ids[lo - n + j:end - n + j] for j in range(n)))
+                self._after.update(zip(grams, range(lo, end)))
+        self._indexed = max(self._indexed, end)
 
     def propose(self, k: int) -> list[int]:
         ids, end = self._ids, len(self._ids)
