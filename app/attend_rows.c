@@ -28,20 +28,23 @@ typedef struct {
                                        * row of many splits between the threads (a query's bits are its own: the same
                                        * in any task) */
 
-/* e^x for 16 lanes: exp_approx's arithmetic (fastmath.h), 2^k applied with scalef (exact, as its exponent bits). */
+/* e^x for 16 lanes, as exp_approx (fastmath.h) computes it (x = k ln2 + r, e^r by its Taylor polynomial to r^7),
+ * with each multiply-add fused (14 operations, not 24: the softmax's exponentials were a fifth of the kernel's)
+ * and 2^k applied with scalef (exact, as its exponent bits). Clamped to [-87, 88]: no subnormal results, whose
+ * arithmetic is slow. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     __m512 shift = _mm512_set1_ps(ROUND_SHIFT);
-    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
-    __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f))),
-                             _mm512_mul_ps(k, _mm512_set1_ps(1.428606765330187e-06f)));
-    __m512 e = _mm512_add_ps(_mm512_set1_ps(1.0f / 720), _mm512_mul_ps(r, _mm512_set1_ps(1.0f / 5040)));
-    e = _mm512_add_ps(_mm512_set1_ps(1.0f / 120), _mm512_mul_ps(r, e));
-    e = _mm512_add_ps(_mm512_set1_ps(1.0f / 24), _mm512_mul_ps(r, e));
-    e = _mm512_add_ps(_mm512_set1_ps(1.0f / 6), _mm512_mul_ps(r, e));
-    e = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, e));
-    e = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, e));
-    e = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, e));
+    __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shift), shift);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 e = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 5040), _mm512_set1_ps(1.0f / 720));
+    e = _mm512_fmadd_ps(r, e, _mm512_set1_ps(1.0f / 120));
+    e = _mm512_fmadd_ps(r, e, _mm512_set1_ps(1.0f / 24));
+    e = _mm512_fmadd_ps(r, e, _mm512_set1_ps(1.0f / 6));
+    e = _mm512_fmadd_ps(r, e, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(r, e, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(r, e, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(e, k);
 }
 
@@ -173,23 +176,31 @@ static void lanes_part(const float *const *query, int queries, int per, const fl
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[first_of[t] + x] + 16 * c, sum[t][x][c]);
 }
 
-/* A query's output from its own part (m, l, o) and, where its row has one, its prefix part (pm, pl, po): one
- * softmax over both, as flash attention merges blocks, in one fixed order. */
-static void merge(float m, float l, const float *o, const float *prefix, float *out) {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_set1_ps(1.0f), share;
-    if (prefix) {
-        float pm = prefix[PART_M], top = pm > m ? pm : m, pa = exp_approx(pm - top), ob = exp_approx(m - top);
-        a = _mm512_set1_ps(pa), b = _mm512_set1_ps(ob);
-        share = _mm512_set1_ps(1.0f / (prefix[PART_L] * pa + l * ob));
-    } else {
-        share = _mm512_set1_ps(1.0f / l);
-    }
-    for (int c = 0; c < 64; c += 16) {
-        __m512 mine = _mm512_mul_ps(_mm512_loadu_ps(o + c), b);
-        if (prefix) mine = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(prefix + c), a), mine);
-        _mm512_storeu_ps(out + c, _mm512_mul_ps(mine, share));
-    }
+/* Fold part (bm, bl, bo) into the running part (m, l, o) of one query: one softmax over both, as flash attention
+ * merges blocks. */
+static inline void fold(float *m, float *l, __m512 *o, float bm, float bl, const float *bo) {
+    float top = *m > bm ? *m : bm, a = exp_approx(*m - top), b = exp_approx(bm - top);
+    __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    *l = *l * a + bl * b, *m = top;
+    for (int c = 0; c < 4; c++) o[c] = _mm512_add_ps(_mm512_mul_ps(o[c], va), _mm512_mul_ps(_mm512_loadu_ps(bo + 16 * c), vb));
 }
+
+/* A query's output from its own part (m, l, o) and, where its row has one, its prefix's pieces (`pieces` parts of
+ * PART floats): folded in one fixed order, then divided by the softmax's sum. */
+static void merge(float m, float l, const float *o, const float *prefix, int pieces, float *out) {
+    __m512 sum[4];
+    for (int c = 0; c < 4; c++) sum[c] = _mm512_loadu_ps(o + 16 * c);
+    for (int i = 0; prefix && i < pieces; i++)
+        fold(&m, &l, sum, prefix[i * PART + PART_M], prefix[i * PART + PART_L], prefix + i * PART);
+    __m512 share = _mm512_set1_ps(1.0f / l);
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(sum[c], share));
+}
+
+/* A shared prefix is read in up to PIECES pieces (of whole blocks of 16 positions, set by its length alone): one
+ * row's 3 tasks a layer (one a key/value head) would leave one of 2 threads idle a third of the time. */
+#define PIECES 2
+static inline int64_t piece_len(const RowKV *r) { return (r->prefix_len + 2 * 16 - 1) / (2 * 16) * 16; }
+static inline int pieces_of(const RowKV *r) { return has_prefix(r) ? (int)((r->prefix_len + piece_len(r) - 1) / piece_len(r)) : 0; }
 
 /* A pass's shapes and scratch, as the tasks read them. */
 typedef struct {
@@ -197,25 +208,27 @@ typedef struct {
     int64_t q_head, q_token, heads, dim;
     int per;
     float scale;
-    float *out, *parts; /* parts: each (token, head)'s prefix part, PART floats (o[64], m, l) */
+    float *out, *parts; /* parts: each (token, head)'s prefix pieces' parts, PIECES x PART floats (o[64], m, l) */
 } Pass;
 
 static inline const float *query_of(const Pass *s, int64_t token, int64_t h) {
     return s->q + h * s->q_head + token * s->q_token;
 }
 
-/* A prefix task: up to 16 (token, head) queries of rows sharing row r's prefix, all of key/value head g. */
-static int prefix_task(const Pass *s, const RowKV *r, int64_t g, const int64_t *which, int queries) {
-    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((r->prefix_len + 15) / 16 * 16));
+/* A prefix task: up to 16 (token, head) queries of rows sharing row r's prefix, all of key/value head g, over
+ * the prefix's piece `piece`. */
+static int prefix_task(const Pass *s, const RowKV *r, int64_t g, int piece, const int64_t *which, int queries) {
+    int64_t from = piece * piece_len(r), count = r->prefix_len - from < piece_len(r) ? r->prefix_len - from : piece_len(r);
+    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((count + 15) / 16 * 16));
     if (!p) return 1;
     const float *query[16] = {0};
     float *o[16] = {0}, m[16], l[16];
     for (int x = 0; x < queries; x++) {
         query[x] = query_of(s, which[x] / s->heads, which[x] % s->heads);
-        o[x] = s->parts + which[x] * PART;
+        o[x] = s->parts + (which[x] * PIECES + piece) * PART;
     }
-    lanes_part(query, queries, 1, r->prefix_keys + g * r->prefix_stride, r->prefix_values + g * r->prefix_stride,
-               r->prefix_len, r->prefix_len, s->scale, p, m, l, o);
+    int64_t at = g * r->prefix_stride + 64 * from;
+    lanes_part(query, queries, 1, r->prefix_keys + at, r->prefix_values + at, count, count, s->scale, p, m, l, o);
     for (int x = 0; x < queries; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
     free(p);
     return 0;
@@ -238,7 +251,7 @@ static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g) {
     for (int64_t t = 0; t < n; t++)
         for (int i = 0; i < per; i++) {
             int64_t at = (r->first + t0 + t) * s->heads + g * per + i;
-            merge(m[t * per + i], l[t * per + i], own[t * per + i], has_prefix(r) ? s->parts + at * PART : NULL,
+            merge(m[t * per + i], l[t * per + i], own[t * per + i], s->parts + at * PIECES * PART, pieces_of(r),
                   s->out + at * s->dim);
         }
     free(p);
@@ -291,14 +304,15 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
     Pass s = {q, q_head, q_token, heads, dim, per, scale, out, NULL};
     /* Phase 1's tasks: each shared prefix's queries (its rows in order, their tokens, the head's query heads) for
      * each key/value head, 16 at a time; phase 2's: (key/value head, row, its tokens t0.. in chunks) */
-    int64_t *which = malloc(sizeof(int64_t) * (size_t)(4 * shared + 2 * chunks + count + 1));
-    s.parts = aligned_alloc(64, sizeof(float) * PART * (size_t)(shared ? tokens * heads : 1));
+    int64_t *which = malloc(sizeof(int64_t) * (size_t)((4 * PIECES + 1) * shared + 2 * chunks + count + 1));
+    s.parts = aligned_alloc(64, sizeof(float) * PIECES * PART * (size_t)(shared ? tokens * heads : 1));
     if (!which || !s.parts) {
         free(which), free(s.parts);
         return -1;
     }
-    int64_t *leader = which + shared, *task_at = leader + count, *task_lead = task_at + shared,
-            *task_head = task_lead + shared, *chunk_row = task_head + shared, *chunk_t0 = chunk_row + chunks;
+    int64_t *leader = which + shared, *task_at = leader + count, *task_end = task_at + PIECES * shared,
+            *task_lead = task_end + PIECES * shared, *task_head = task_lead + PIECES * shared,
+            *chunk_row = task_head + PIECES * shared, *chunk_t0 = chunk_row + chunks;
     int64_t w = 0, tasks = 0, prefix_work = 0, own_work = 0;
     for (int64_t i = 0; i < count; i++) {
         const RowKV *r = &rows[i];
@@ -317,13 +331,15 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
             for (int64_t j = i; j < count; j++)
                 for (int64_t t = 0; leader[j] == i && t < rows[j].n; t++)
                     for (int h = 0; h < per; h++) which[w++] = (rows[j].first + t) * heads + g * per + h;
-            for (int64_t at = start; at < w; at += 16) {
-                task_at[tasks] = at, task_lead[tasks] = i, task_head[tasks++] = g;
-                prefix_work += rows[i].prefix_len * (TASK_BASE + (w - at < 16 ? w - at : 16));
-            }
+            for (int piece = 0; piece < pieces_of(&rows[i]); piece++) /* (a piece's tasks together: its keys stay
+                                                                         * cached between them) */
+                for (int64_t at = start; at < w; at += 16) {
+                    task_at[tasks] = at, task_end[tasks] = w - at < 16 ? w : at + 16;
+                    task_lead[tasks] = i, task_head[tasks++] = g * PIECES + piece;
+                    prefix_work += piece_len(&rows[i]) * (TASK_BASE + (task_end[tasks - 1] - at));
+                }
         }
     }
-    task_at[tasks] = w;
     for (int64_t i = 0, c = 0; i < count; i++)
         for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), c++) {
             chunk_row[c] = i, chunk_t0[c] = t0;
@@ -340,9 +356,10 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
         int64_t done = 0;
         for (int64_t task = 0; task < tasks; task++) {
             const RowKV *r = &rows[task_lead[task]];
-            int64_t end = task + 1 < tasks ? task_at[task + 1] : w, n = end - task_at[task] < 16 ? end - task_at[task] : 16;
-            if (mine(&done, r->prefix_len * (TASK_BASE + n), prefix_work, threads, me))
-                failed |= prefix_task(&s, r, task_head[task], which + task_at[task], (int)n);
+            int64_t n = task_end[task] - task_at[task];
+            if (mine(&done, piece_len(r) * (TASK_BASE + n), prefix_work, threads, me))
+                failed |= prefix_task(&s, r, task_head[task] / PIECES, (int)(task_head[task] % PIECES),
+                                      which + task_at[task], (int)n);
         }
 #pragma omp barrier
         done = 0;

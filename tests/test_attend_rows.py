@@ -85,7 +85,7 @@ def _reference(row: FakeRow, case: Case, q, k, v, span, scale: float) -> torch.T
 
 CASES = [
     [Case(1, 0, 0)],  # a new session's first token, no prefix
-    [Case(1, 100, 0), Case(3, 40, 800), Case(1, 0, 30), Case(16, 5, 0)],
+    [Case(1, 100, 0), Case(3, 40, 800), Case(1, 0, 30), Case(16, 5, 0), Case(2, 3, 10)],  # (a prefix in 1 piece)
     [Case(8, 1500, 0), Case(2, 17, 900)],
     [Case(37, 60, 800), Case(1, 5, 800), Case(BATCH_TOKENS, 0, 0)],  # tool results: rows split into several tasks
 ]
