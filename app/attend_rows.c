@@ -101,11 +101,6 @@ static inline int64_t chunk_tokens(const RowKV *r, int64_t t0, int per) {
 
 #define TASK_BASE 23 /* a position's work for 16 lanes' scores and softmax, in one query's weighted values' */
 
-/* An own task's work: the positions its last token sees times (TASK_BASE + its queries). */
-static inline int64_t task_work(const RowKV *r, int64_t t0, int per) {
-    int64_t n = chunk_tokens(r, t0, per);
-    return (r->past + t0 + n) * (TASK_BASE + n * per);
-}
 
 /* Whether this thread (me of threads) takes the next task of `work`, of a phase's `total`: each takes the tasks
  * whose middle falls in its share, one run in order. */
@@ -185,14 +180,15 @@ static inline void fold(float *m, float *l, __m512 *o, float bm, float bl, const
     for (int c = 0; c < 4; c++) o[c] = _mm512_add_ps(_mm512_mul_ps(o[c], va), _mm512_mul_ps(_mm512_loadu_ps(bo + 16 * c), vb));
 }
 
-/* A query's output from its own part (m, l, o) and, where its row has one, its prefix's pieces (`pieces` parts of
- * PART floats): folded in one fixed order, then divided by the softmax's sum. */
-static void merge(float m, float l, const float *o, const float *prefix, int pieces, float *out) {
-    __m512 sum[4];
-    for (int c = 0; c < 4; c++) sum[c] = _mm512_loadu_ps(o + 16 * c);
-    for (int i = 0; prefix && i < pieces; i++)
-        fold(&m, &l, sum, prefix[i * PART + PART_M], prefix[i * PART + PART_L], prefix + i * PART);
-    __m512 share = _mm512_set1_ps(1.0f / l);
+/* A query's output from its parts (`count` of PART floats at `parts`, in the order of their positions): folded
+ * from an empty part (exactly the first), then divided by the softmax's sum. A part whose positions the query does
+ * not see (m = -inf, l = 0, o = 0) leaves the fold's bits as they are. */
+static void merge(const float *parts, int64_t count, float *out) {
+    float running = -INFINITY, total = 0.0f;
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < count; i++)
+        fold(&running, &total, sum, parts[i * PART + PART_M], parts[i * PART + PART_L], parts + i * PART);
+    __m512 share = _mm512_set1_ps(1.0f / total);
     for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(sum[c], share));
 }
 
@@ -202,13 +198,29 @@ static void merge(float m, float l, const float *o, const float *prefix, int pie
 static inline int64_t piece_len(const RowKV *r) { return (r->prefix_len + 2 * 16 - 1) / (2 * 16) * 16; }
 static inline int pieces_of(const RowKV *r) { return has_prefix(r) ? (int)((r->prefix_len + piece_len(r) - 1) / piece_len(r)) : 0; }
 
+/* A row's own positions are read in pieces of OWN_PIECE from position 0 (boundaries fixed by position: a query's
+ * pieces are the same in any task): a long history would otherwise be one task a key/value head (for one token, 3
+ * tasks a layer on 2 threads). */
+#define OWN_PIECE 256
+static inline int64_t own_pieces(const RowKV *r, int64_t t0, int per) {
+    return (r->past + t0 + chunk_tokens(r, t0, per) + OWN_PIECE - 1) / OWN_PIECE;
+}
+
+/* An own task's work: its piece's positions times (TASK_BASE + its queries). */
+static inline int64_t own_work(const RowKV *r, int64_t t0, int per, int64_t piece) {
+    int64_t n = chunk_tokens(r, t0, per), left = r->past + t0 + n - piece * OWN_PIECE;
+    return (left < OWN_PIECE ? left : OWN_PIECE) * (TASK_BASE + n * per);
+}
+
 /* A pass's shapes and scratch, as the tasks read them. */
 typedef struct {
     const float *q;
     int64_t q_head, q_token, heads, dim;
     int per;
     float scale;
-    float *out, *parts; /* parts: each (token, head)'s prefix pieces' parts, PIECES x PART floats (o[64], m, l) */
+    float *out, *parts; /* parts: each (token, head)'s parts, `slots` of PART floats (o[64], m, l): its prefix's
+                         * pieces (up to PIECES), then its own but the last */
+    int64_t slots;
 } Pass;
 
 static inline const float *query_of(const Pass *s, int64_t token, int64_t h) {
@@ -225,7 +237,7 @@ static int prefix_task(const Pass *s, const RowKV *r, int64_t g, int piece, cons
     float *o[16] = {0}, m[16], l[16];
     for (int x = 0; x < queries; x++) {
         query[x] = query_of(s, which[x] / s->heads, which[x] % s->heads);
-        o[x] = s->parts + (which[x] * PIECES + piece) * PART;
+        o[x] = s->parts + (which[x] * s->slots + piece) * PART;
     }
     int64_t at = g * r->prefix_stride + 64 * from;
     lanes_part(query, queries, 1, r->prefix_keys + at, r->prefix_values + at, count, count, s->scale, p, m, l, o);
@@ -234,27 +246,38 @@ static int prefix_task(const Pass *s, const RowKV *r, int64_t g, int piece, cons
     return 0;
 }
 
-/* An own task: row r's tokens t0.. (up to CHUNK_TOKENS) for key/value head g over the row's own keys, merged with
- * their prefix parts into the outputs. */
-static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g) {
+/* Row r's tokens t0.. (up to CHUNK_TOKENS), key/value head g: each query's parts merged into its output. */
+static void merge_chunk(const Pass *s, const RowKV *r, int64_t t0, int64_t g) {
+    int64_t parts = pieces_of(r) + own_pieces(r, t0, s->per);
+    for (int64_t t = 0; t < chunk_tokens(r, t0, s->per); t++)
+        for (int i = 0; i < s->per; i++) {
+            int64_t at = (r->first + t0 + t) * s->heads + g * s->per + i;
+            merge(s->parts + at * s->slots * PART, parts, s->out + at * s->dim);
+        }
+}
+
+/* An own task: row r's tokens t0.. (up to CHUNK_TOKENS) for key/value head g over piece `piece` of the row's own
+ * positions, into their parts; then, where `merged`, each query's parts merged into its output. */
+static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g, int64_t piece, int merged) {
     int per = s->per;
-    int64_t n = chunk_tokens(r, t0, per), count = r->past + t0 + n;
-    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((count + 15) / 16 * 16));
+    int64_t n = chunk_tokens(r, t0, per), count = r->past + t0 + n, from = piece * OWN_PIECE;
+    int64_t len = count - from < OWN_PIECE ? count - from : OWN_PIECE;
+    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((len + 15) / 16 * 16));
     if (!p) return 1;
     const float *query[16];
-    float own[16][64], *o[16], m[16], l[16];
-    for (int64_t t = 0; t < n; t++)
-        for (int i = 0; i < per; i++) query[t * per + i] = query_of(s, r->first + t0 + t, g * per + i);
-    for (int x = 0; x < 16; x++) o[x] = own[x];
-    lanes_part(query, (int)(n * per), per, r->keys + g * r->group_stride, r->values + g * r->group_stride, count,
-               r->past + t0, s->scale, p, m, l, o);
+    float *o[16], m[16], l[16];
     for (int64_t t = 0; t < n; t++)
         for (int i = 0; i < per; i++) {
             int64_t at = (r->first + t0 + t) * s->heads + g * per + i;
-            merge(m[t * per + i], l[t * per + i], own[t * per + i], s->parts + at * PIECES * PART, pieces_of(r),
-                  s->out + at * s->dim);
+            query[t * per + i] = query_of(s, r->first + t0 + t, g * per + i);
+            o[t * per + i] = s->parts + (at * s->slots + pieces_of(r) + piece) * PART;
         }
+    int64_t head = g * r->group_stride + 64 * from;
+    lanes_part(query, (int)(n * per), per, r->keys + head, r->values + head, len, r->past + t0 - from, s->scale, p,
+               m, l, o);
+    for (int x = 0; x < n * per; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
     free(p);
+    if (merged) merge_chunk(s, r, t0, g);
     return 0;
 }
 #define FAST_DIM 64
@@ -295,25 +318,30 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
             }
     }
     int per = (int)(heads / groups), failed = 0;
-    int64_t tokens = 0, shared = 0, chunks = 0;
+    int64_t tokens = 0, shared = 0, chunks = 0, owns = 0, most = 0; /* owns: (chunk, key/value head, own piece)s */
     for (int64_t i = 0; i < count; i++) {
         tokens = rows[i].first + rows[i].n > tokens ? rows[i].first + rows[i].n : tokens;
         shared += has_prefix(&rows[i]) ? rows[i].n * heads : 0;
-        chunks += (rows[i].n + CHUNK_TOKENS(per) - 1) / CHUNK_TOKENS(per);
+        for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), chunks++) {
+            int64_t pieces = own_pieces(&rows[i], t0, per);
+            owns += pieces > 1 ? groups * pieces : 0, most = pieces > most ? pieces : most;
+        }
     }
-    Pass s = {q, q_head, q_token, heads, dim, per, scale, out, NULL};
-    /* Phase 1's tasks: each shared prefix's queries (its rows in order, their tokens, the head's query heads) for
-     * each key/value head, 16 at a time; phase 2's: (key/value head, row, its tokens t0.. in chunks) */
-    int64_t *which = malloc(sizeof(int64_t) * (size_t)((4 * PIECES + 1) * shared + 2 * chunks + count + 1));
-    s.parts = aligned_alloc(64, sizeof(float) * PIECES * PART * (size_t)(shared ? tokens * heads : 1));
+    Pass s = {q, q_head, q_token, heads, dim, per, scale, out, NULL, PIECES + most};
+    /* Phase 1's tasks: each shared prefix's pieces, its queries (its rows in order, their tokens, the head's query
+     * heads) 16 at a time, for each key/value head; then the own pieces of each (row, its tokens t0.. in chunks,
+     * key/value head) that has more than one. Phase 2: each chunk's queries merged. */
+    int64_t *which = malloc(sizeof(int64_t) * (size_t)((4 * PIECES + 1) * shared + 2 * chunks + count + 3 * owns));
+    s.parts = aligned_alloc(64, sizeof(float) * PART * (size_t)(s.slots * tokens * heads));
     if (!which || !s.parts) {
         free(which), free(s.parts);
         return -1;
     }
     int64_t *leader = which + shared, *task_at = leader + count, *task_end = task_at + PIECES * shared,
             *task_lead = task_end + PIECES * shared, *task_head = task_lead + PIECES * shared,
-            *chunk_row = task_head + PIECES * shared, *chunk_t0 = chunk_row + chunks;
-    int64_t w = 0, tasks = 0, prefix_work = 0, own_work = 0;
+            *chunk_row = task_head + PIECES * shared, *chunk_t0 = chunk_row + chunks, *own_chunk = chunk_t0 + chunks,
+            *own_head = own_chunk + owns, *own_piece = own_head + owns;
+    int64_t w = 0, tasks = 0, work = 0;
     for (int64_t i = 0; i < count; i++) {
         const RowKV *r = &rows[i];
         leader[i] = i;
@@ -336,15 +364,23 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
                 for (int64_t at = start; at < w; at += 16) {
                     task_at[tasks] = at, task_end[tasks] = w - at < 16 ? w : at + 16;
                     task_lead[tasks] = i, task_head[tasks++] = g * PIECES + piece;
-                    prefix_work += piece_len(&rows[i]) * (TASK_BASE + (task_end[tasks - 1] - at));
+                    work += piece_len(&rows[i]) * (TASK_BASE + (task_end[tasks - 1] - at));
                 }
         }
     }
-    for (int64_t i = 0, c = 0; i < count; i++)
-        for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), c++) {
-            chunk_row[c] = i, chunk_t0[c] = t0;
-            own_work += groups * task_work(&rows[i], t0, per);
-        }
+    int64_t late = 0; /* phase 2's work: a chunk of one own piece computes it there and merges at once (no
+                       * more parts than before pieces: the usual decoding row), a longer one merges only */
+    for (int64_t g = 0, h = 0; g < groups; g++)
+        for (int64_t i = 0, c = 0; i < count; i++)
+            for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), c++) {
+                chunk_row[c] = i, chunk_t0[c] = t0;
+                int64_t pieces = own_pieces(&rows[i], t0, per);
+                late += pieces == 1 ? own_work(&rows[i], t0, per, 0) : TASK_BASE;
+                for (int64_t piece = 0; pieces > 1 && piece < pieces; piece++, h++) {
+                    own_chunk[h] = c, own_head[h] = g, own_piece[h] = piece;
+                    work += own_work(&rows[i], t0, per, piece);
+                }
+            }
     /* Each thread takes one run of each phase's tasks, in key/value-head order, of about equal work: a core reads
      * about groups / threads heads' keys and values a layer, not every head's. */
 #pragma omp parallel reduction(| : failed)
@@ -357,17 +393,26 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
         for (int64_t task = 0; task < tasks; task++) {
             const RowKV *r = &rows[task_lead[task]];
             int64_t n = task_end[task] - task_at[task];
-            if (mine(&done, piece_len(r) * (TASK_BASE + n), prefix_work, threads, me))
+            if (mine(&done, piece_len(r) * (TASK_BASE + n), work, threads, me))
                 failed |= prefix_task(&s, r, task_head[task] / PIECES, (int)(task_head[task] % PIECES),
                                       which + task_at[task], (int)n);
+        }
+        for (int64_t h = 0; h < owns; h++) {
+            const RowKV *r = &rows[chunk_row[own_chunk[h]]];
+            int64_t t0 = chunk_t0[own_chunk[h]];
+            if (mine(&done, own_work(r, t0, per, own_piece[h]), work, threads, me))
+                failed |= own_task(&s, r, t0, own_head[h], own_piece[h], 0);
         }
 #pragma omp barrier
         done = 0;
         for (int64_t task = 0; task < chunks * groups; task++) {
             const RowKV *r = &rows[chunk_row[task % chunks]];
-            int64_t t0 = chunk_t0[task % chunks];
-            if (mine(&done, task_work(r, t0, per), own_work, threads, me))
-                failed |= own_task(&s, r, t0, task / chunks);
+            int64_t t0 = chunk_t0[task % chunks], g = task / chunks, one = own_pieces(r, t0, per) == 1;
+            if (!mine(&done, one ? own_work(r, t0, per, 0) : TASK_BASE, late, threads, me)) continue;
+            if (one)
+                failed |= own_task(&s, r, t0, g, 0, 1);
+            else
+                merge_chunk(&s, r, t0, g);
         }
     }
     free(which), free(s.parts);

@@ -184,12 +184,13 @@ def test_without_the_library_pytorch_runs(monkeypatch):
 
 @needs_fast
 @pytest.mark.parametrize("n", [4, 11])
-def test_a_token_gets_the_same_bits_in_a_draft_as_alone(n):
+@pytest.mark.parametrize("past", [30, 250])  # 250: the draft's tokens straddle a piece of own positions (256)
+def test_a_token_gets_the_same_bits_in_a_draft_as_alone(n, past):
     """Each query's scores, softmax and sums run in one order whatever its row's token count or the task and lane
     its token falls in (a row's tokens go 16 // query heads a key/value head to a task), so a drafted token's attention is the same bits as when it is fed
     alone after the tokens before it."""
     config = _config(9, 3, 64)
-    rows, spans, q, k, v = _pass([Case(n, 30, 200)], 9, 3, 64, seed=9)
+    rows, spans, q, k, v = _pass([Case(n, past, 200)], 9, 3, 64, seed=9)
     (row,) = rows
     alone_row = FakeRow(new_kv(config), row.prefix)
     layer = row.kv.layers[0]
