@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int8_rows.c", "int8_layer.c", "attend_rows.c", "int8_mm.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h", "fastmath.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h", "fastmath.h", "attend_lanes.h"))
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
