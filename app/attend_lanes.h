@@ -78,7 +78,7 @@ static inline __mmask16 seen_by(int64_t j, int64_t seen0, int per) {
 /* Attention of up to 16 queries (one lane each: query[x]) over `count` positions of keys k and values v (64
  * floats a position, one after another); lane x sees positions j < seen0 + x / per + 1 (all of them where
  * seen0 >= count: a shared prefix). Per lane: m[x] the largest scaled score, l[x] the sum of e^(s - m), o[x] the
- * sum of e^(s - m) v (not divided: a prefix's part is merged with the row's own, see merge). Each lane runs the
+ * sum of e^(s - m) v (not divided: a query's parts are merged into one softmax, see merge). Each lane runs the
  * same arithmetic in the same order whatever the other lanes hold. p: 16 floats a position (rounded up to 16). */
 static void lanes_part(const float *const *query, int queries, int per, const float *k, const float *v,
                        int64_t count, int64_t seen0, float scale, float *p, float *m, float *l, float *const *o) {

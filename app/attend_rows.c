@@ -40,7 +40,6 @@ static inline int64_t chunk_tokens(const RowKV *r, int64_t t0, int per) {
 
 #define TASK_BASE 23 /* a position's work for 16 lanes' scores and softmax, in one query's weighted values' */
 
-
 /* Whether this thread (me of threads) takes the next task of `work`, of a phase's `total`: each takes the tasks
  * whose middle falls in its share, one run in order. */
 static inline int mine(int64_t *done, int64_t work, int64_t total, int threads, int me) {
@@ -52,7 +51,7 @@ static inline int mine(int64_t *done, int64_t work, int64_t total, int threads, 
 /* A shared prefix is read in up to PIECES pieces (of whole blocks of 16 positions, set by its length alone): one
  * row's 3 tasks a layer (one a key/value head) would leave one of 2 threads idle a third of the time. */
 #define PIECES 2
-static inline int64_t piece_len(const RowKV *r) { return (r->prefix_len + 2 * 16 - 1) / (2 * 16) * 16; }
+static inline int64_t piece_len(const RowKV *r) { return (r->prefix_len + PIECES * 16 - 1) / (PIECES * 16) * 16; }
 static inline int pieces_of(const RowKV *r) { return has_prefix(r) ? (int)((r->prefix_len + piece_len(r) - 1) / piece_len(r)) : 0; }
 
 /* A row's own positions are read in pieces of OWN_PIECE from position 0 (boundaries fixed by position: a query's
@@ -76,7 +75,7 @@ typedef struct {
     int per;
     float scale;
     float *out, *parts; /* parts: each (token, head)'s parts, `slots` of PART floats (o[64], m, l): its prefix's
-                         * pieces (up to PIECES), then its own but the last */
+                         * pieces (up to PIECES), then its own */
     int64_t slots;
 } Pass;
 
@@ -84,23 +83,30 @@ static inline const float *query_of(const Pass *s, int64_t token, int64_t h) {
     return s->q + h * s->q_head + token * s->q_token;
 }
 
+/* The parts of `queries` queries (lanes) over `count` positions at k, v (see lanes_part) into o[x]: 0, or 1
+ * without memory for their scores. */
+static int run_part(const Pass *s, const float *const *query, float *const *o, int queries, int per, const float *k,
+                    const float *v, int64_t count, int64_t seen0) {
+    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((count + 15) / 16 * 16)), m[16], l[16];
+    if (!p) return 1;
+    lanes_part(query, queries, per, k, v, count, seen0, s->scale, p, m, l, o);
+    for (int x = 0; x < queries; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
+    free(p);
+    return 0;
+}
+
 /* A prefix task: up to 16 (token, head) queries of rows sharing row r's prefix, all of key/value head g, over
  * the prefix's piece `piece`. */
 static int prefix_task(const Pass *s, const RowKV *r, int64_t g, int piece, const int64_t *which, int queries) {
     int64_t from = piece * piece_len(r), count = r->prefix_len - from < piece_len(r) ? r->prefix_len - from : piece_len(r);
-    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((count + 15) / 16 * 16));
-    if (!p) return 1;
     const float *query[16] = {0};
-    float *o[16] = {0}, m[16], l[16];
+    float *o[16] = {0};
     for (int x = 0; x < queries; x++) {
         query[x] = query_of(s, which[x] / s->heads, which[x] % s->heads);
         o[x] = s->parts + (which[x] * s->slots + piece) * PART;
     }
     int64_t at = g * r->prefix_stride + 64 * from;
-    lanes_part(query, queries, 1, r->prefix_keys + at, r->prefix_values + at, count, count, s->scale, p, m, l, o);
-    for (int x = 0; x < queries; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
-    free(p);
-    return 0;
+    return run_part(s, query, o, queries, 1, r->prefix_keys + at, r->prefix_values + at, count, count);
 }
 
 /* Row r's tokens t0.. (up to CHUNK_TOKENS), key/value head g: each query's parts merged into its output. */
@@ -119,10 +125,8 @@ static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g, int64_
     int per = s->per;
     int64_t n = chunk_tokens(r, t0, per), count = r->past + t0 + n, from = piece * OWN_PIECE;
     int64_t len = count - from < OWN_PIECE ? count - from : OWN_PIECE;
-    float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((len + 15) / 16 * 16));
-    if (!p) return 1;
     const float *query[16];
-    float *o[16], m[16], l[16];
+    float *o[16];
     for (int64_t t = 0; t < n; t++)
         for (int i = 0; i < per; i++) {
             int64_t at = (r->first + t0 + t) * s->heads + g * per + i;
@@ -130,10 +134,8 @@ static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g, int64_
             o[t * per + i] = s->parts + (at * s->slots + pieces_of(r) + piece) * PART;
         }
     int64_t head = g * r->group_stride + 64 * from;
-    lanes_part(query, (int)(n * per), per, r->keys + head, r->values + head, len, r->past + t0 - from, s->scale, p,
-               m, l, o);
-    for (int x = 0; x < n * per; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
-    free(p);
+    if (run_part(s, query, o, (int)(n * per), per, r->keys + head, r->values + head, len, r->past + t0 - from))
+        return 1;
     if (merged) merge_chunk(s, r, t0, g);
     return 0;
 }
