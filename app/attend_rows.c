@@ -62,6 +62,9 @@ static inline int64_t own_pieces(const RowKV *r, int64_t t0, int per) {
     return (r->past + t0 + chunk_tokens(r, t0, per) + OWN_PIECE - 1) / OWN_PIECE;
 }
 
+/* A prefix task's work: a piece's positions times (TASK_BASE + its queries). */
+static inline int64_t prefix_work(const RowKV *r, int64_t queries) { return piece_len(r) * (TASK_BASE + queries); }
+
 /* An own task's work: its piece's positions times (TASK_BASE + its queries). */
 static inline int64_t own_work(const RowKV *r, int64_t t0, int per, int64_t piece) {
     int64_t n = chunk_tokens(r, t0, per), left = r->past + t0 + n - piece * OWN_PIECE;
@@ -223,23 +226,24 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
                 for (int64_t at = start; at < w; at += 16) {
                     task_at[tasks] = at, task_end[tasks] = w - at < 16 ? w : at + 16;
                     task_lead[tasks] = i, task_head[tasks++] = g * PIECES + piece;
-                    work += piece_len(&rows[i]) * (TASK_BASE + (task_end[tasks - 1] - at));
+                    work += prefix_work(&rows[i], task_end[tasks - 1] - at);
                 }
         }
     }
+    for (int64_t i = 0, c = 0; i < count; i++)
+        for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), c++) chunk_row[c] = i, chunk_t0[c] = t0;
     int64_t late = 0; /* phase 2's work: a chunk of one own piece computes it there and merges at once (no
                        * more parts than before pieces: the usual decoding row), a longer one merges only */
     for (int64_t g = 0, h = 0; g < groups; g++)
-        for (int64_t i = 0, c = 0; i < count; i++)
-            for (int64_t t0 = 0; t0 < rows[i].n; t0 += CHUNK_TOKENS(per), c++) {
-                chunk_row[c] = i, chunk_t0[c] = t0;
-                int64_t pieces = own_pieces(&rows[i], t0, per);
-                late += pieces == 1 ? own_work(&rows[i], t0, per, 0) : TASK_BASE;
-                for (int64_t piece = 0; pieces > 1 && piece < pieces; piece++, h++) {
-                    own_chunk[h] = c, own_head[h] = g, own_piece[h] = piece;
-                    work += own_work(&rows[i], t0, per, piece);
-                }
+        for (int64_t c = 0; c < chunks; c++) {
+            const RowKV *r = &rows[chunk_row[c]];
+            int64_t t0 = chunk_t0[c], pieces = own_pieces(r, t0, per);
+            late += pieces == 1 ? own_work(r, t0, per, 0) : TASK_BASE;
+            for (int64_t piece = 0; pieces > 1 && piece < pieces; piece++, h++) {
+                own_chunk[h] = c, own_head[h] = g, own_piece[h] = piece;
+                work += own_work(r, t0, per, piece);
             }
+        }
     /* Each thread takes one run of each phase's tasks, in key/value-head order, of about equal work: a core reads
      * about groups / threads heads' keys and values a layer, not every head's. */
 #pragma omp parallel reduction(| : failed)
@@ -252,7 +256,7 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
         for (int64_t task = 0; task < tasks; task++) {
             const RowKV *r = &rows[task_lead[task]];
             int64_t n = task_end[task] - task_at[task];
-            if (mine(&done, piece_len(r) * (TASK_BASE + n), work, threads, me))
+            if (mine(&done, prefix_work(r, n), work, threads, me))
                 failed |= prefix_task(&s, r, task_head[task] / PIECES, (int)(task_head[task] % PIECES),
                                       which + task_at[task], (int)n);
         }
