@@ -13,16 +13,8 @@
 #include <omp.h>
 #endif
 
+#include "attend_rows.h"
 #include "fastmath.h"
-
-/* A row of the pass as attend_batch reads it (app/attend_rows.RowKV). Strides in floats. */
-typedef struct {
-    int64_t first, n;          /* its tokens in the pass */
-    float *keys, *values;      /* its own cache's storage for this layer: groups x room x dim */
-    int64_t group_stride, past; /* between key/value heads; positions it held before this pass */
-    const float *prefix_keys, *prefix_values; /* a shared prefix's (NULL: none) */
-    int64_t prefix_stride, prefix_len;
-} RowKV;
 
 #if defined(__AVX512F__)
 #include "attend_lanes.h"

@@ -105,6 +105,8 @@ class Batch:
                 entry.group_stride, entry.past = keys.stride(1), past
                 if shared is not None:
                     entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len = shared[index]
+        # every layer's table, for a call that runs all layers (app.int8_layer's forward_layers)
+        self.table_pointers = (ctypes.c_void_p * len(self._tables))(*map(ctypes.addressof, self._tables))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int, scale: float,
                out: torch.Tensor) -> None:

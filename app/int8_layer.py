@@ -6,7 +6,9 @@ cost more than the matmuls (a py-spy profile of a one-row int8 step: the weights
 norms, rotary, the split and scaling, the residual adds and the Python between them most of the rest). Here a
 layer is: norm + split (one call), q/k/v matmul, scaling + rotary (two), attention as before, split, output
 matmul, scaling + residual add + norm + split (one), gate/up matmul, scaling + SiLU·up + split (one), down
-matmul, scaling + residual add (one).
+matmul, scaling + residual add (one). Where every row of a pass attends in app/attend_rows.c (decoding rows,
+drafts, questions, tool results), one C call runs all the layers (forward_layers): the Python between a layer's
+calls was ~4 ms of a 13.7 ms one-token step, with the GIL held.
 
 Every token is computed alone in a fixed order, so a token's bits do not depend on the rows beside it (tested
 bitwise, as for the torch path). The norms and SiLU round differently from transformers' torch kernels (a
@@ -109,6 +111,27 @@ class FusedInt8Layers:
                              pointer(down.bias), x.data_ptr())
         return hidden
 
+    def whole_pass(self, model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> bool:
+        """Every layer in one C call (forward_layers: per layer the calls above, attention in attend_rows), where
+        every row of the pass attends there (`batch`, its app.attend_rows.Batch) and every matmul takes the packed
+        kernel for this many tokens. False, with nothing done, otherwise. hidden is updated in place."""
+        layers, config, x = model.model.layers, model.config, hidden[0]
+        n = len(x)
+        if not all(_packed(n, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up,
+                           layer.mlp.down_proj) for layer in layers):
+            return False
+        attn = layers[0].self_attn
+        heads = config.num_attention_heads
+        groups = getattr(config, "num_key_value_heads", None) or heads
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        status = self.lib.forward_layers(_stack(model), len(layers), x.data_ptr(), n, x.shape[1], heads, groups,
+                                         attn.head_dim, attn.scaling, cos.data_ptr(), sin.data_ptr(),
+                                         batch.table_pointers, batch.count, ACT_MAX, FINE)
+        if status == -2:  # (another geometry: nothing done)
+            return False
+        _check(status)
+        return True
+
     def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head, for [1, tokens, width] hidden states."""
         head = model.lm_head
@@ -121,6 +144,28 @@ class Linear(ctypes.Structure):
 
     _fields_ = [("packed", ctypes.c_void_p), ("colsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+
+class LayerC(ctypes.Structure):
+    """A decoder layer as app/int8_layer.c's forward_layers reads it (its `Layer`)."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float), ("qkv", Linear),
+                ("post_norm", ctypes.c_void_p), ("post_eps", ctypes.c_float), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear)]
+
+
+def _stack(model) -> ctypes.Array:
+    """The C view of every decoder layer, made once per model (as _linear's: its tensors never move)."""
+    made = model.__dict__.get("_c_layers")
+    if made is None:
+        made = (LayerC * len(model.model.layers))(*[
+            LayerC(layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
+                   _linear(layer.self_attn.qkv_proj), layer.post_attention_layernorm.weight.data_ptr(),
+                   layer.post_attention_layernorm.variance_epsilon, _linear(layer.self_attn.o_proj),
+                   _linear(layer.mlp.gate_up), _linear(layer.mlp.down_proj))
+            for layer in model.model.layers])
+        model.__dict__["_c_layers"] = made
+    return made
 
 
 def _packed(tokens: int, *linears) -> bool:

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int8_rows.c", "int8_layer.c", "attend_rows.c", "int8_mm.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("int8_rows.h", "fastmath.h", "attend_lanes.h"))
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ("int8_rows.h", "fastmath.h", "attend_lanes.h", "attend_rows.h"))
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
@@ -49,6 +50,8 @@ SIGNATURES = {  # name: (argument types, result type), as the .c files declare t
     "mm_int8": ([_p, _i64, _i64, _p, _p, _i64, _p], ctypes.c_int),
     "qkv_packed": ([_p, _i64, _i64, _p, _f32, _f32, _f32, _p, _i64, _i64, _p, _p, _p], ctypes.c_int),
     "finish_packed": ([_p, _i64, _p, _p, _p, _f32, _p, _p, _f32, _f32], ctypes.c_int),
+    "forward_layers": ([_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p, _i64, _f32, _f32],
+                       ctypes.c_int),
 }
 
 

@@ -16,7 +16,7 @@ as FlashInfer's shared-prefix batch decode does: its keys/values are read once a
 writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 
 Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
-(app.int8_layer). Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can
+(app.int8_layer), and where every row attends in app.attend_rows, one C call for all the layers. Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can
 take this path.
 """
 
@@ -213,6 +213,11 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     batch = None  # (made at the first layer, from its keys' shape)
+    if few and len(few) == len(rows) and layers is not TORCH_LAYERS:  # all rows in C: maybe all layers in one call
+        groups = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        batch = attend_rows.Batch(rows, spans, hidden.new_empty(1, groups, 0, inner.layers[0].self_attn.head_dim))
+        if layers.whole_pass(model, hidden, cos, sin, batch):
+            return _logits(model, layers, hidden, rows, spans)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         q, k, v = layers.attention_inputs(layer, hidden, cos, sin)
@@ -230,6 +235,11 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
                 part = _merge(*heads[i], *_attend_lse(q[:, :, a:b], keys, values, mask, attn.scaling))
             out[a:b] = part[0].transpose(0, 1)
         hidden = layers.finish(layer, hidden, out.view(1, at, -1))
+    return _logits(model, layers, hidden, rows, spans)
+
+
+def _logits(model, layers, hidden: torch.Tensor, rows: list[Row], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each row's last `keep` logits."""
     kept = torch.cat([torch.arange(b - row.keep, b) for row, (_, b) in zip(rows, spans)])
     logits = layers.logits(model, hidden[:, kept])[0]
     return list(logits.split([row.keep for row in rows]))

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from app import int8_layer, int8_mm, native, ragged
+from app import attend_rows, int8_layer, int8_mm, native, ragged
 from app.int8 import PACKED_FEW_TOKENS, Int8Linear
 from app.int8_layer import fused_layers
 from app.int8_rows import ACT_MAX, FINE, combine_rows_torch
 from app.kvcache import new_kv
+from app.model import LoadedModel, wrap
 from app.ragged import Row, ragged_forward
 from tests.conftest import logit_tolerance
 from tests.test_int8 import _int8_tiny, real_int8
@@ -217,7 +219,9 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, last
             few = rows()
             chosen.clear()
             packed = ragged_forward(model, few)
-            assert chosen == [True] * 2 * len(model.model.layers)  # (the packed calls ran: before and after attention)
+            # (the packed calls ran: checked once a layer where one call ran every layer, else before and after
+            # attention)
+            assert chosen in ([True] * len(model.model.layers), [True] * 2 * len(model.model.layers))
             for m in linears:
                 m.packed = False
             pieces = ragged_forward(model, rows())
@@ -225,3 +229,52 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, last
         for m, was in zip(linears, packed_at_load):
             m.packed = was
     assert all(torch.equal(a, b) for a, b in zip(packed, pieces))
+
+
+def _int8_heads64(tokenizer) -> LoadedModel:
+    """A tiny random int8 Llama with 64-value heads, whose rows attend in app/attend_rows.c as the real model's do."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2)
+    return wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-64-int8", weights="int8")
+
+
+@pytest.mark.parametrize("which", ["tiny64", "real"])
+def test_every_layer_in_one_call_gives_the_bits_of_the_calls_layer_by_layer(which, request, monkeypatch):
+    """forward_layers (FusedInt8Layers.whole_pass): a pass whose rows all attend in app/attend_rows.c runs every
+    layer in one C call; against the same calls made layer by layer from Python, each row's logits and its cache's
+    keys and values bit for bit. A pass of rows decoding and drafting over a shared prefix and one after its own
+    past, then one of a decoding row beside 40 new tokens (one call only where the matmuls take the packed kernel
+    for that many tokens: AMX; else layer by layer, which the count checks)."""
+    loaded = _int8_heads64(request.getfixturevalue("tokenizer")) if which == "tiny64" else real_int8(request)
+    model = loaded.model
+    if not attend_rows.available(model.config):
+        pytest.skip("no AVX-512 attention here: every pass goes layer by layer")
+    ids = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    real, taken = int8_layer.FusedInt8Layers.whole_pass, []
+
+    def run(one_call: bool) -> tuple[list[torch.Tensor], list]:
+        def whole_pass(self, *args) -> bool:
+            taken.append(one_call and real(self, *args))
+            return taken[-1]
+
+        monkeypatch.setattr(int8_layer.FusedInt8Layers, "whole_pass", whole_pass)
+        with torch.inference_mode():
+            prefix, past, kvs = new_kv(model.config), new_kv(model.config), [new_kv(model.config) for _ in range(3)]
+            ragged_forward(model, [Row(prefix, ids[:100], 0, 1)])
+            ragged_forward(model, [Row(past, ids[:150], 0, 1)])
+            taken.clear()
+            logits = ragged_forward(model, [Row(kvs[0], ids[100:101], 100, 1, prefix),
+                                            Row(kvs[1], ids[100:105], 100, 5, prefix), Row(past, ids[150:153], 150, 3)])
+            logits += ragged_forward(model, [Row(kvs[0], ids[101:102], 101, 1, prefix),
+                                             Row(kvs[2], ids[100:140], 100, 2, prefix)])
+        return logits, [(layer.keys, layer.values) for kv in (past, *kvs) for layer in kv.layers]
+
+    one_call, by_layer = run(True), run(False)
+    assert taken == [False, False]  # (the second run's passes)
+    assert all(torch.equal(a, b) for a, b in zip(one_call[0], by_layer[0]))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one_call[1], by_layer[1]))
+    run(True)
+    assert taken == [all(m.packed_for(9) for m in linears), all(m.packed_for(41) for m in linears)]
