@@ -117,8 +117,7 @@ class FusedInt8Layers:
         kernel for this many tokens. False, with nothing done, otherwise. hidden is updated in place."""
         layers, config, x = model.model.layers, model.config, hidden[0]
         n = len(x)
-        if not all(_packed(n, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up,
-                           layer.mlp.down_proj) for layer in layers):
+        if not _packed(n, *_linears(model)):
             return False
         attn = layers[0].self_attn
         heads = config.num_attention_heads
@@ -154,16 +153,27 @@ class LayerC(ctypes.Structure):
                 ("down", Linear)]
 
 
+def _linears(model) -> list:
+    """Every decoder layer's q/k/v, output, gate/up and down Int8Linear, listed once per model (the modules'
+    attribute lookups, 4 a layer, cost ~0.2 ms a pass)."""
+    made = model.__dict__.get("_c_linears")
+    if made is None:
+        made = [linear for layer in model.model.layers for linear in
+                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj)]
+        model.__dict__["_c_linears"] = made
+    return made
+
+
 def _stack(model) -> ctypes.Array:
     """The C view of every decoder layer, made once per model (as _linear's: its tensors never move)."""
     made = model.__dict__.get("_c_layers")
     if made is None:
+        linears = _linears(model)
         made = (LayerC * len(model.model.layers))(*[
             LayerC(layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
-                   _linear(layer.self_attn.qkv_proj), layer.post_attention_layernorm.weight.data_ptr(),
-                   layer.post_attention_layernorm.variance_epsilon, _linear(layer.self_attn.o_proj),
-                   _linear(layer.mlp.gate_up), _linear(layer.mlp.down_proj))
-            for layer in model.model.layers])
+                   _linear(qkv), layer.post_attention_layernorm.weight.data_ptr(),
+                   layer.post_attention_layernorm.variance_epsilon, _linear(o), _linear(gate_up), _linear(down))
+            for layer, (qkv, o, gate_up, down) in zip(model.model.layers, zip(*[iter(linears)] * 4))])
         model.__dict__["_c_layers"] = made
     return made
 
