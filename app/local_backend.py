@@ -132,7 +132,9 @@ class SegmentSteps:
         generated = run.generated_tokens
         room = min(settings.max_new_tokens - generated, settings.max_length - self.base) - 1
         share = max(1, DRAFTS_PER_STEP // max(1, self.backend.loaded.scheduler.rows_in_turns()))
-        self.drafts = self.lookup.propose(min(self.draft_len, room, share)) if self.lookup and generated else []
+        # (the first pass too: after a question or a tool's result the model mostly starts as the prompt's examples
+        # do, "<request><", "Result = ...", so its first text comes a pass earlier)
+        self.drafts = self.lookup.propose(min(self.draft_len, room, share)) if self.lookup else []
         cache.extend(self.drafts)
         return len(self.drafts) + 1
 
@@ -150,7 +152,7 @@ class SegmentSteps:
             return None
         try:
             if run.generated_tokens == 0:
-                run.prefill_tokens, run.cached_tokens = fed, hit
+                run.prefill_tokens, run.cached_tokens = fed - len(drafts), hit  # (drafts are not prompt)
             tokens = self.backend._choose(logits, drafts, settings, self.generator, self.line)
             if drafts:
                 full = len(tokens) > len(drafts)
