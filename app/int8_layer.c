@@ -167,8 +167,8 @@ typedef struct {
 
 /* hidden (n rows of d) through `count` layers: heads query heads and groups key/value heads of dim values, the
  * first heads + groups of them rotated (cos, sin: n x dim); tables[l]: layer l's rows for attend_batch (`rows` of
- * them, their keys/values' room reserved). Returns 0, -1 without memory (hidden and the caches then part done: the caller's pass fails), -2 (nothing
- * done) for shapes these calls do not take. */
+ * them, their keys/values' room reserved). Returns 0; -1 without memory (hidden and the caches may then be part
+ * done: the caller's pass fails); -2, nothing done, for shapes these calls do not take. */
 int forward_layers(const Layer *layers, int64_t count, float *hidden, int64_t n, int64_t d, int64_t heads,
                    int64_t groups, int64_t dim, float scale, const float *cos, const float *sin,
                    const RowKV *const *tables, int64_t rows, float act_max, float fine) {

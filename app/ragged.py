@@ -16,8 +16,8 @@ as FlashInfer's shared-prefix batch decode does: its keys/values are read once a
 writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 
 Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
-(app.int8_layer), and where every row attends in app.attend_rows, one C call for all the layers. Llama-family decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can
-take this path.
+(app.int8_layer), and where every row attends in app.attend_rows, one C call for all the layers. Llama-family
+decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can take this path.
 """
 
 from __future__ import annotations
