@@ -135,6 +135,10 @@ class FusedInt8Layers:
         """The final norm and the LM head, for [1, tokens, width] hidden states."""
         head = model.lm_head
         parts, scale = self._norm_split(hidden[0].contiguous(), model.model.norm, head)
+        if parts.dtype == torch.int8 and head.packed_for(len(parts) // 2):  # (the tile unit: sums combined there)
+            logits = head.prepare()._packed.combined(parts, scale, head.scale, head.bias, FINE)
+            if logits is not None:
+                return logits.unsqueeze(0)
         return combine_rows(head.sums(parts), scale, head.scale, head.bias).unsqueeze(0)
 
 

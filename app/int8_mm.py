@@ -56,3 +56,17 @@ class PackedWeight:
         failed = library().mm_int8(parts.data_ptr(), len(parts), self.in_features, self.packed.data_ptr(),
                                    self.colsum.data_ptr(), self.out_features, out.data_ptr())
         return None if failed else out
+
+    def combined(self, parts: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 fine: float) -> torch.Tensor | None:
+        """app.int8_rows.combine_rows(self.mm(parts), scale, weight_scale, bias) in one C call on the tile unit,
+        the same bits, without the int32 sums in memory (the LM head's; see mm_int8_combined); None where the
+        tiles do not take these parts (or without memory): then call those two."""
+        assert parts.dtype == torch.int8 and parts.shape[1] == self.in_features and parts.is_contiguous()
+        tokens = len(parts) // 2
+        out = torch.empty(tokens, self.out_features)
+        failed = library().mm_int8_combined(parts.data_ptr(), tokens, self.in_features, self.packed.data_ptr(),
+                                            self.colsum.data_ptr(), self.out_features, fine, scale.data_ptr(),
+                                            weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                                            out.data_ptr())
+        return None if failed else out

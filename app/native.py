@@ -48,6 +48,7 @@ SIGNATURES = {  # name: (argument types, result type), as the .c files declare t
     "mm_int8_available": ([], ctypes.c_int),
     "mm_int8_amx": ([], ctypes.c_int),
     "mm_int8": ([_p, _i64, _i64, _p, _p, _i64, _p], ctypes.c_int),
+    "mm_int8_combined": ([_p, _i64, _i64, _p, _p, _i64, _f32, _p, _p, _p, _p], ctypes.c_int),
     "qkv_packed": ([_p, _i64, _i64, _p, _f32, _f32, _f32, _p, _i64, _i64, _p, _p, _p], ctypes.c_int),
     "finish_packed": ([_p, _i64, _p, _p, _p, _f32, _p, _p, _f32, _f32], ctypes.c_int),
     "forward_layers": ([_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p, _i64, _f32, _f32],

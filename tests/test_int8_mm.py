@@ -131,3 +131,27 @@ def test_amx_can_be_turned_off():
              "assert torch.equal(PackedWeight(w).mm(x), x.long().matmul(w.long().t()).int())")
     env = {**os.environ, "TEXTENV_AMX": "0"}
     subprocess.run([sys.executable, "-c", check], check=True, env=env, timeout=120)
+
+
+@needs_amx
+@pytest.mark.parametrize("out,inner", [(100, 576), (49152, 576), (64, 1536)])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 24, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sums_scaled_back_on_the_tiles_give_combine_rows_bits(out, inner, tokens, with_bias):
+    """PackedWeight.combined (the LM head's matmul and its scaling back in one call, the int32 sums never in
+    memory) against mm then combine_rows, bit for bit: channels off the pairs of 16 (100), the LM head's 49,152,
+    token counts off the tiles' 8 tokens (16 rows of parts). One token (2 rows) stays off the tiles: None."""
+    from app.int8_rows import FINE, combine_rows
+
+    gen = torch.Generator().manual_seed(out + inner + tokens)
+    weight = torch.randint(-QMAX, QMAX + 1, (out, inner), generator=gen, dtype=torch.int8)
+    parts = torch.randint(-128, 128, (2 * tokens, inner), generator=gen, dtype=torch.int8)
+    scale = torch.rand(tokens, generator=gen) * 1e-2
+    weight_scale = torch.rand(out, generator=gen) * 1e-2
+    bias = torch.randn(out, generator=gen) if with_bias else None
+    packed = PackedWeight(weight)
+    got = packed.combined(parts, scale, weight_scale, bias, FINE)
+    if 2 * tokens < 6:  # (int8_mm.c's AMX_ROWS)
+        assert got is None
+        return
+    assert torch.equal(got, combine_rows(packed.mm(parts), scale, weight_scale, bias))
