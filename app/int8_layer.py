@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from app.int8_rows import ACT_MAX, FINE, by_dtype, combine_rows, empty_parts, pointer
+from app.int8_rows import ACT_MAX, FINE, by_dtype, empty_parts, pointer
 from app.native import library
 
 
@@ -75,7 +75,7 @@ class FusedInt8Layers:
                                        cos.data_ptr(), sin.data_ptr(), y.data_ptr()))
         else:
             parts, scale = self._norm_split(x, norm, qkv)
-            y = combine_rows(qkv.sums(parts), scale, qkv.scale, qkv.bias)
+            y = qkv.scaled(parts, scale)
             self.lib.rotate(y.data_ptr(), n, qkv.out_features, rotated, attn.head_dim, cos.data_ptr(),
                             sin.data_ptr())
         return tuple(p.view(1, n, -1, attn.head_dim).transpose(1, 2) for p in y.split(widths, dim=-1))
@@ -135,11 +135,7 @@ class FusedInt8Layers:
         """The final norm and the LM head, for [1, tokens, width] hidden states."""
         head = model.lm_head
         parts, scale = self._norm_split(hidden[0].contiguous(), model.model.norm, head)
-        if parts.dtype == torch.int8 and head.packed_for(len(parts) // 2):  # (the tile unit: sums combined there)
-            logits = head.prepare()._packed.combined(parts, scale, head.scale, head.bias, FINE)
-            if logits is not None:
-                return logits.unsqueeze(0)
-        return combine_rows(head.sums(parts), scale, head.scale, head.bias).unsqueeze(0)
+        return head.scaled(parts, scale).unsqueeze(0)
 
 
 class Linear(ctypes.Structure):

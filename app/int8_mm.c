@@ -120,10 +120,17 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+/* This thread's tiles, as amx_sums uses them: 8 of 16 rows x 64 bytes (each thread configures its own). */
+static void tiles_on(void) {
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
 /* Rows r0.. (up to 32) of `a` (the flipped parts, mp rows of k, mp a multiple of 16) times a pair of 16-channel
  * blocks on the tile unit, into sums[block of 16 rows * 2 + channel block][row][channel]: tiles 0-3 sum (2 row
- * blocks x 2 channel blocks), 4-5 hold activation rows, 6-7 weights. Returns how many row blocks (1 or 2). */
-static int amx_sums(const uint8_t *a, int64_t mp, int64_t k, const int8_t *w, int64_t r0,
+ * blocks x 2 channel blocks), 4-5 hold activation rows, 6-7 weights; the second row block where mp - r0 >= 32. */
+static void amx_sums(const uint8_t *a, int64_t mp, int64_t k, const int8_t *w, int64_t r0,
                     int32_t (*sums)[16][16]) {
     const int8_t *w1 = w + k * 16;
     int two = mp - r0 >= 32;
@@ -149,7 +156,6 @@ static int amx_sums(const uint8_t *a, int64_t mp, int64_t k, const int8_t *w, in
         _tile_stored(2, sums[2], 64);
         _tile_stored(3, sums[3], 64);
     }
-    return two ? 2 : 1;
 }
 
 /* amx_sums, stored as int32 into out's rows r0.. (m rows in all), columns c0.. of n. */
@@ -177,9 +183,7 @@ static int mm_amx(const int8_t *parts, int64_t m, int64_t k, const int8_t *packe
     if (!a) return -1;
 #pragma omp parallel
     {
-        TileConfig config = {.palette = 1}; /* (each thread configures its own tiles) */
-        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
+        tiles_on();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
             for (int64_t r0 = 0; r0 < mp; r0 += 32)
@@ -245,9 +249,7 @@ static int mm_amx_combined(const int8_t *parts, int64_t tokens, int64_t k, const
     if (!a) return -1;
 #pragma omp parallel
     {
-        TileConfig config = {.palette = 1};
-        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
+        tiles_on();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
             for (int64_t r0 = 0; r0 < mp; r0 += 32)

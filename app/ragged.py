@@ -199,7 +199,8 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     positions = torch.cat([torch.arange(row.start, row.start + len(row.ids)) for row in rows]).unsqueeze(0)
     shared = [row.prefix.get_seq_length() if row.prefix is not None else 0 for row in rows]
     config = model.config
-    repeat = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    groups = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    repeat = config.num_attention_heads // groups
     fast = attend_rows.available(config)  # (attend_rows, in C: each row decides alone, by its own tokens)
     readable: dict[int, bool] = {}
     few = [i for i, row in enumerate(rows)
@@ -214,7 +215,6 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     cos, sin = inner.rotary_emb(hidden, positions)
     batch = None  # (made at the first layer, from its keys' shape)
     if few and len(few) == len(rows) and layers is not TORCH_LAYERS:  # all rows in C: maybe all layers in one call
-        groups = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         batch = attend_rows.Batch(rows, spans, hidden.new_empty(1, groups, 0, inner.layers[0].self_attn.head_dim))
         if layers.whole_pass(model, hidden, cos, sin, batch):
             return _logits(model, layers, hidden, rows, spans)
