@@ -184,9 +184,17 @@ static int mm_amx(const int8_t *parts, int64_t m, int64_t k, const int8_t *packe
 #pragma omp parallel
     {
         tiles_on();
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t r0 = 0; r0 < mp; r0 += 32)
+        /* Each thread its own run of pairs, row blocks outer: a block's activation rows stay in the first cache
+         * while the thread's weights (half of a layer's, <= 0.9 MB here) stay in the second. Pairs outer re-read
+         * every activation row for each pair, from beyond the second cache for long inputs: a 512-token prefill
+         * 243-318 -> 221-242 ms, 8 questions' 120 tokens 79-87 -> 75-79 ms (three rounds alternated). */
+        int threads = 1, me = 0;
+#ifdef _OPENMP
+        threads = omp_get_num_threads(), me = omp_get_thread_num();
+#endif
+        int64_t first = pairs * me / threads, last = pairs * (me + 1) / threads;
+        for (int64_t r0 = 0; r0 < mp; r0 += 32)
+            for (int64_t p = first; p < last; p++)
                 amx_tile(a, m, mp, k, packed + p * 2 * k * 16, colsum, out, n, 32 * p, r0);
         _tile_release();
     }
