@@ -258,6 +258,8 @@ static int mm_amx_combined(const int8_t *parts, int64_t tokens, int64_t k, const
 #pragma omp parallel
     {
         tiles_on();
+        /* (pairs outer, unlike mm_amx: the LM head's weights, 28 MB, fit no cache, and its kept tokens are few, so
+         * each pair's weights are read once while the activation rows stay in the first cache) */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
             for (int64_t r0 = 0; r0 < mp; r0 += 32)
