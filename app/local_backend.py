@@ -25,10 +25,11 @@ if TYPE_CHECKING:
     from app.engine import Settings
 
 # Draft tokens one step verifies across its rows: each row drafts at most DRAFTS_PER_STEP // rows. A verified token
-# costs ~1.8 ms of an int8 step whatever the batch, while a step's share per row shrinks as rows join (one row: a
-# 32 ms step; eight: 61 ms, 7.6 ms each), so a draft pays alone even when rarely accepted and in a full batch only
-# when likely. Measured, 8 questions at once (Engine.run / 8 chats, two runs each): 16 gave 1.84-1.91 s / 120-128
-# tokens/s, no cap 2.00-2.17 s / 105-126, 8 gave 1.87-1.99 s / 119.
+# costs ~0.5 ms of an int8 step whatever the batch, while a step's share per row shrinks as rows join (one row
+# alone: ~9 ms a step; eight rows of one token: ~15 ms, of three: ~24 ms), so a draft pays alone even when rarely
+# accepted and in a full batch only when likely. Measured, 8 chats at once (benchmarks/concurrency_bench.py rounds,
+# four runs of each value, alternated): 8, 12, 16 and 24 within noise (402-421 tokens/s); in another sitting 16 gave
+# 399-419, 32 396-414, 64 370-389.
 DRAFTS_PER_STEP = 16
 
 
