@@ -120,11 +120,14 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* This thread's tiles, as amx_sums uses them: 8 of 16 rows x 64 bytes (each thread configures its own). */
+/* This thread's tiles, as amx_sums uses them: 8 of 16 rows x 64 bytes (each thread configures its own).
+ * ldtilecfg is written here with the whole 64-byte configuration as its operand: GCC 12's _tile_loadconfig
+ * declares a read of 8 bytes only, so the compiler may drop the stores of the rest as dead (seen with this
+ * function inlined into a loop: rows and column widths never stored, and ldtilecfg faulted: SIGSEGV or SIGILL). */
 static void tiles_on(void) {
     TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
+    __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
 /* Rows r0.. (up to 32) of `a` (the flipped parts, mp rows of k, mp a multiple of 16) times a pair of 16-channel
