@@ -243,6 +243,9 @@ class ChatService:
         entry = self.store.peek(request.session_hash)
         episodes = entry.session.episodes if entry is not None and entry.session is not None else []
         tokens, ms = prefill_frame(episodes), time_frame(episodes)
+        if not episodes:  # (no `sort`: a change of it redraws the chart from its previous data, so after New
+            # chat it kept the last chat's bars; the data alone clears them)
+            return gr.BarPlot(value=tokens), gr.BarPlot(value=ms), timing_summary(episodes)
         order = segment_order(tokens)
         return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order), timing_summary(episodes)
 

@@ -16,6 +16,9 @@ from components.stats import counted
 
 PREFILL_COLUMNS = ["segment", "part", "tokens", "ms", "turn", "kind"]
 TIME_COLUMNS = ["segment", "kind", "ms", "turn"]
+# Numbers typed as numbers even in an empty frame: an empty frame's columns are otherwise `object`, which Gradio
+# sends as categories, and the chart, unable to stack categories, kept the last chat's bars after New chat.
+NUMBERS = {"tokens": "int64", "ms": "float64", "turn": "int64"}
 PARTS = ("new", "reused")
 COLOR_MAP = {"new": "#f97316", "reused": "#22c55e"}
 MAX_TURNS_SHOWN = 8  # the chart keeps the last turns readable
@@ -44,13 +47,17 @@ def prefill_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -
         for part, tokens in zip(PARTS, (segment.prefill_tokens, segment.cached_tokens)):
             if tokens is not None:
                 rows.append([label, part, int(tokens), round(float(segment.ms), 1), turn, segment.kind])
-    return pd.DataFrame(rows, columns=PREFILL_COLUMNS)
+    return _typed(pd.DataFrame(rows, columns=PREFILL_COLUMNS))
 
 
 def time_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -> pd.DataFrame:
     """One row per segment: its wall time in ms."""
     rows = [[label, segment.kind, round(float(segment.ms), 1), turn] for turn, label, segment in _numbered(episodes, last)]
-    return pd.DataFrame(rows, columns=TIME_COLUMNS)
+    return _typed(pd.DataFrame(rows, columns=TIME_COLUMNS))
+
+
+def _typed(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.astype({column: kind for column, kind in NUMBERS.items() if column in frame.columns})
 
 
 def segment_order(frame: pd.DataFrame) -> list[str]:

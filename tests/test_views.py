@@ -276,6 +276,10 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     tokens_plot, ms_plot, summary = service.timing(request())
     assert tokens_plot.value is None or tokens_plot.value["data"] == []
     assert summary == "Timing: no turns yet"
+    # Regression (seen in Chromium): New chat sent `sort=[]` with the empty frames, and a change of `sort` redraws
+    # the chart from its previous data, so it kept the last chat's bars; the empty data alone clears them
+    assert "sort" not in tokens_plot.constructor_args and "sort" not in ms_plot.constructor_args
+    assert tokens_plot.value["datatypes"]["tokens"] == ms_plot.value["datatypes"]["ms"] == "quantitative"
     submitted = service.submit("What is 41 * 23?", [], request())[1]
     outputs = list(service.chat_page(submitted, *SETTINGS, TOOLS, default_prompt_template(), request()))
     assert all(o[5:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
