@@ -5,6 +5,7 @@ loop does; the segment's own thread streams the text."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from app.scheduler import Cancelled
 
 if TYPE_CHECKING:
     from app.engine import Settings
+
+log = logging.getLogger(__name__)
 
 # Draft tokens one step verifies across its rows: each row drafts at most DRAFTS_PER_STEP // rows. A verified token
 # costs ~0.5 ms of an int8 step whatever the batch, while a step's share per row shrinks as rows join (one row
@@ -80,6 +83,8 @@ class LocalBackend:
             if request is not None and not request.done.is_set():  # the stream was closed: the row ends after
                 steps.closed = True  # its pass in flight, which it drops (the cache stays this thread's after)
                 request.done.wait()
+                if request.error is not None:  # (it ended before that pass: Stop, or a failure)
+                    steps.abandoned(request.error)
             if not settings.use_cache:
                 cache.drop_kv()
 
@@ -187,6 +192,16 @@ class SegmentSteps:
         """The model (or sampling) failed mid-step: undo that step and say so."""
         self.cache.truncate(self.base)
         self.run.stop = Stop(StopReason.ERROR)
+
+    def abandoned(self, error: BaseException) -> None:
+        """The request of a closed stream ended with `error` before its next pass (Stop during the scheduler's
+        wait for other rows, or a failure): as `failed`, but recorded only, since nobody reads the stream to be
+        told. (Before, the drafts added for that pass stayed in the session's ids as if the model had written
+        them, and the next turn prefilled them.)"""
+        try:
+            self.failed(error)
+        except Exception:
+            log.exception("a segment failed after its stream was closed")
 
     def failed(self, error: BaseException) -> None:
         """The segment's thread, once the request ended with `error`: Stop during a long prefill ends it between

@@ -156,6 +156,36 @@ def test_stop_during_a_long_question_ends_the_turn_before_its_prefill_is_done(ti
     assert session.cache.cached == session.prompt_tokens + CHUNK_ALONE
 
 
+def test_a_closed_stream_stopped_before_its_next_pass_keeps_no_unverified_drafts(tokenizer, monkeypatch):
+    """Regression (review): a turn's stream closed right after Stop, while its next pass (with prompt-lookup
+    drafts already in the ids) waited for another visitor's row, ended with Cancelled unhandled: the drafts stayed
+    in the session's ids and segment as if the model had written them, and the next turn prefilled them."""
+    from tests.conftest import _tiny, forced, plan_text, prime
+
+    question = "one two three four five six seven eight nine ten"
+    plan = plan_text(tokenizer, (0, " " + question + " " + question))  # the model copies the question
+    settings = Settings(max_new_tokens=40, draft_tokens=8)
+    monkeypatch.setattr(scheduler_module, "GATHER_S", 1.0)  # the next step waits for the other row a while
+    loaded = forced(_tiny("llama", tokenizer), plan)
+    engine = Engine(loaded, prompt="Answer.\n{tools}\n\n")
+    session, cancel = prime(engine), threading.Event()
+    turn = engine.turn(session, question, settings, cancel)
+    with loaded.scheduler.turn():  # another visitor's turn, between two of its passes
+        for event in turn:
+            if isinstance(event, TextDelta) and len(session.cache) - session.cache.cached > 1:  # drafts added
+                cancel.set()
+                turn.close()
+                break
+        else:
+            pytest.fail("no pass with drafts")
+    segment = session.episodes[-1].segments[-1]
+    assert segment.stop.reason is StopReason.CANCELLED
+    assert segment.end - segment.start == segment.generated_tokens  # only the tokens the model chose
+    assert len(session.cache) == segment.end == session.cache.cached + 1  # the last one, not yet fed
+    answer = session.cache.ids[session.episodes[-1].query_end:]
+    assert answer == [plan[step] for step in range(len(answer))]
+
+
 def test_rows_on_a_model_without_the_ragged_pass_still_run_one_by_one(tiny, tokenizer):
     """tiny: llama (the ragged pass) and gpt2 (one row at a time)."""
     scheduler = Scheduler(tiny.model)
