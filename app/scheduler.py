@@ -28,7 +28,7 @@ import torch
 
 from app import ragged
 from app.kvcache import TokenCache
-from app.threads import use_model_threads
+from app.threads import model_threads, use_model_threads
 
 MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a row to leave
 CHUNK_BESIDE_DECODE = 64  # prefill tokens per step while other rows decode (~ one batched decode step's work)
@@ -105,6 +105,7 @@ class Scheduler:
     """Runs forward passes for many sessions' TokenCaches, batched step by step on one thread."""
 
     def __init__(self, model, max_rows: int = MAX_ROWS):
+        model_threads()  # a bad MODEL_THREADS fails here, at load: in the thread it ended it, and every pass hung
         self.model = model
         self.max_rows = max_rows
         self.ragged = ragged.supports(model)

@@ -186,6 +186,14 @@ def test_a_closed_stream_stopped_before_its_next_pass_keeps_no_unverified_drafts
     assert answer == [plan[step] for step in range(len(answer))]
 
 
+def test_a_bad_model_threads_setting_fails_at_load_not_in_the_schedulers_thread(tiny_llama, monkeypatch):
+    """Regression (review): MODEL_THREADS=two raised in the scheduler's thread, which ended, and every forward
+    pass then waited forever (the app hung at its warm-up)."""
+    monkeypatch.setenv("MODEL_THREADS", "two")
+    with pytest.raises(ValueError, match="MODEL_THREADS"):
+        Scheduler(tiny_llama.model)
+
+
 def test_rows_on_a_model_without_the_ragged_pass_still_run_one_by_one(tiny, tokenizer):
     """tiny: llama (the ragged pass) and gpt2 (one row at a time)."""
     scheduler = Scheduler(tiny.model)
