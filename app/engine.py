@@ -8,6 +8,7 @@ the model in this process, or a model server; the engine keeps the turn loop, th
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,8 @@ from app.protocol import CALL, CUT_STOPS, RESPONSE, ToolCallError, calls_tool, e
 from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
                           require_utf8)
 from app.tools.registry import Tool, default_tools, run_tool
+
+log = logging.getLogger(__name__)
 
 
 class Session:
@@ -291,6 +294,7 @@ class Engine:
                 if session is None or not session.episodes:  # nothing ran: the whole batch is wrong
                     events.put(error)
                     return
+                log.exception("batch row %d failed", row)  # (its episode shows the message; the log, why)
                 episode = session.episodes[-1]
                 episode.error = str(error)
                 events.put(EpisodeFinished(row, episode))

@@ -66,10 +66,21 @@ def format_items(pairs: list[tuple[str, str]]) -> str:
 
 
 def rewards(episodes: list[Episode], items: list[Item]) -> list[float | None]:
-    """exact_match of each submitted answer against its expected one; None where none is given or where Stop
-    cut the row short (an unfinished answer is not a wrong one)."""
-    return [None if item.expected is None or episode.cut_short else exact_match(episode.answer, item.expected)
+    """exact_match of each submitted answer against its expected one; None where none is given, where Stop cut
+    the row short or where the row failed (an unfinished answer is not a wrong one)."""
+    return [None if item.expected is None or unfinished(episode) else exact_match(episode.answer, item.expected)
             for episode, item in zip(episodes, items)]
+
+
+def unfinished(episode: Episode) -> bool:
+    return episode.cut_short or episode.error is not None
+
+
+def answer_text(episode: Episode) -> str:
+    """The answer, and why the row failed where it did (the model or its server raised)."""
+    if episode.error is None:
+        return episode.answer
+    return f"{episode.answer} (error: {episode.error})" if episode.answer else f"error: {episode.error}"
 
 
 def accuracy(scores: list[float | None]) -> tuple[float, int] | None:
@@ -90,7 +101,7 @@ def tool_calls_text(episode: Episode) -> str:
 def batch_frame(episodes: list[Episode], items: list[Item]) -> pd.DataFrame:
     """One row per query: the answer, the stop reasons of its model segments, tool calls, reward."""
     scores = rewards(episodes, items)
-    rows = [[row, item.question, episode.answer, stops_text(episode), tool_calls_text(episode),
+    rows = [[row, item.question, answer_text(episode), stops_text(episode), tool_calls_text(episode),
              item.expected if item.expected is not None else "", "" if score is None else f"{score:g}"]
             for row, (episode, item, score) in enumerate(zip(episodes, items, scores), start=1)]
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -130,8 +141,10 @@ def batch_summary(items: list[Item], on: BatchRun, off: BatchRun | None = None) 
 
 
 def _unscored(run: BatchRun, items: list[Item]) -> str:
-    cut = sum(1 for e, item in zip(run.episodes, items) if item.expected is not None and e.cut_short)
-    return f" ({counted(cut, 'answer')} cut short by Stop, not scored)" if cut else ""
+    expected = [e for e, item in zip(run.episodes, items) if item.expected is not None]
+    cut, failed = sum(1 for e in expected if e.cut_short), sum(1 for e in expected if e.error is not None)
+    parts = [f"{counted(cut, 'answer')} cut short by Stop"] * bool(cut) + [f"{failed} failed"] * bool(failed)
+    return f" ({', '.join(parts)}, not scored)" if parts else ""
 
 
 def _partial(run: BatchRun) -> str:

@@ -495,6 +495,27 @@ def test_a_model_error_mid_segment_is_recorded_and_the_session_goes_on(tiny_llam
     assert first.prefill_tokens == first.start - session.prompt_tokens
 
 
+def test_a_batch_row_whose_model_fails_is_logged_shown_and_not_scored(tiny_llama, caplog):
+    """Regression (review): a failing row's error was kept as text on its episode only: nothing logged, the Batch
+    tab showed an empty answer and scored it as a wrong one."""
+    import dataclasses
+
+    from components.batch import BatchRun, Item, accuracy, batch_frame, batch_summary, rewards
+
+    model = Exploding(tiny_llama.model, fail_at=10**9)
+    engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
+    engine.new_session()  # (the prompt prefilled before the model fails)
+    model.fail_at = model.calls + 2
+    with caplog.at_level("ERROR", logger="app.engine"):
+        (episode,) = engine.run(["What is 2 + 2?"], Settings(max_new_tokens=6))
+    assert episode.error == "out of memory (simulated)"
+    assert any("batch row 0 failed" in r.message and r.exc_info for r in caplog.records)
+    items = [Item("What is 2 + 2?", "4")]
+    assert rewards([episode], items) == [None] and accuracy([None]) is None
+    assert "error: out of memory (simulated)" in batch_frame([episode], items).loc[0, "answer"]
+    assert "accuracy: n/a (1 failed, not scored)" in batch_summary(items, BatchRun([episode], 1.0, True))
+
+
 def test_settings_reject_a_seed_torch_cannot_take(tiny_llama):
     engine = Engine(tiny_llama, prompt=PROMPT)
     with pytest.raises(InputError, match="seed"):
