@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,7 @@ class Engine:
         self.prompt = render_prompt(default_prompt_template() if prompt is None else prompt, self.tools)
         self._specials = self.backend.special_token_texts
         self._prompt_caches: OrderedDict[str, TokenCache] = OrderedDict()
+        self._released: weakref.WeakSet[DynamicCache] = weakref.WeakSet()  # let go of, while anything reads them
         self._prompt_lock = threading.Lock()
         self.context_limit = self.backend.context_limit
 
@@ -103,9 +105,22 @@ class Engine:
         return sum(kv_nbytes(kv) for kv in self.shared_kv())
 
     def shared_kv(self) -> list[DynamicCache]:
-        """The prefilled prompts' caches, which sessions read as their prefix (app.kvcache)."""
+        """The prefilled prompts' caches, which sessions read as their prefix (app.kvcache): those held, and those
+        let go of (release_prompts) that something still reads (a batch's rows, a session)."""
         with self._prompt_lock:
-            return [cache.own_kv for cache in self._prompt_caches.values() if cache.own_kv is not None]
+            held = [cache.own_kv for cache in self._prompt_caches.values() if cache.own_kv is not None]
+            return held + [kv for kv in self._released if all(kv is not h for h in held)]
+
+    def release_prompts(self, read: set[int]) -> None:
+        """Let go of the prefilled prompts other than the engine's own that no cache in `read` (ids of the
+        prefixes sessions read) is: they are a cache, prefilled again when a session needs one. Held, a few
+        visitors' prompts per tool set kept the shared KV over KV_BUDGET_MB for good (4 tool sets x 4 prompts of
+        up to ~80 MB): every job then ran alone, and every idle chat lost its cache after each turn."""
+        with self._prompt_lock:
+            for prompt, base in list(self._prompt_caches.items()):
+                if prompt != self.prompt and base.own_kv is not None and id(base.own_kv) not in read:
+                    del self._prompt_caches[prompt]
+                    self._released.add(base.own_kv)  # (counted for as long as a batch row may still read it)
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def new_session(self, prompt: str | None = None, use_cache: bool = True, seed: int = 0) -> Session:

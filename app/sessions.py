@@ -135,6 +135,9 @@ class SessionStore:
         self._turns = threading.Condition()  # chat turns running (see turn_slot)
         self._running = 0
         self._reserved = 0  # bytes the running turns reserve (see turn_slot)
+        # Frees KV held outside the sessions that nothing needs (a server's unread prefilled prompts), returning
+        # the bytes freed: tried before any session's cache is dropped to fit the budget.
+        self.release_shared: Callable[[], int] | None = None
 
     # ---- access ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> Entry:
@@ -226,6 +229,8 @@ class SessionStore:
         with self._lock:
             entries = list(self._entries.items())  # oldest first
         total = shared_bytes + sum(e.kv_bytes for _, e in entries)
+        if total > self.budget_bytes and self.release_shared is not None:
+            total -= self.release_shared()
         for key, entry in entries:
             if total <= self.budget_bytes:
                 break

@@ -80,6 +80,7 @@ class ChatService:
         self._engines: dict[tuple[str, ...], Engine] = {}
         self._lock = threading.Lock()
         self.store = store if store is not None else SessionStore()  # (an empty store is falsy: it has a len)
+        self.store.release_shared = self.release_prompts
 
     # ---- shared model and engines ---------------------------------------------------------------------------
     @property
@@ -161,6 +162,17 @@ class ChatService:
         held = {id(kv): kv for engine in engines for kv in engine.shared_kv()}
         held.update((id(kv), kv) for kv in self.store.prefixes())
         return sum(kv_nbytes(kv) for kv in held.values())
+
+    def release_prompts(self) -> int:
+        """The store's release_shared: every engine lets go of the visitors' prompts no session reads; the bytes
+        freed."""
+        before = self.shared_kv_bytes()
+        read = {id(kv) for kv in self.store.prefixes()}
+        with self._lock:
+            engines = list(self._engines.values())
+        for engine in engines:
+            engine.release_prompts(read)
+        return before - self.shared_kv_bytes()
 
     def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
         """app.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""

@@ -14,7 +14,7 @@ import gradio as gr
 import pytest
 
 from app.decoding import Limit, Stop, StopReason
-from app.engine import Episode, InputError, Segment, Span, default_prompt_template
+from app.engine import Engine, Episode, InputError, Segment, Span, default_prompt_template
 from app.kvcache import GROW_TOKENS, kv_nbytes
 from app.sessions import MB, SessionStore, StoreStats
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
@@ -208,6 +208,39 @@ def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama)
     assert f"MB of KV of its own, {session.prompt_tokens} read from the shared prompt)" in service.stats(session)
     engine._prompt_caches.clear()  # as when visitors' own prompts push it out
     assert engine.shared_kv_bytes == 0 and service.shared_kv_bytes() == kv_nbytes(prefix)
+
+
+def test_visitors_prompts_no_session_reads_give_way_before_any_chats_cache(tiny_llama):
+    """Regression (review): every tool set's engine kept its last 4 prompts prefilled, counted in KV_BUDGET_MB and
+    never let go of: a few visitors' prompts held the shared KV over the budget for good, so every job ran alone
+    and every idle chat lost its cache after each turn. Now the prompts no session reads give way first."""
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    turn(service, "hi", max_new_tokens=2, max_turns=0)  # page-1 reads the default prompt
+    custom = "Be brief.\n{tools}\n" + "Answer well. " * 30
+    turn(service, "hey", key="page-2", max_new_tokens=2, max_turns=0, prompt=custom)  # page-2 a visitor's prompt
+    for tools in ([], ["Calculator"], ["Search"], ["Calculator", "Search"]):
+        for n in range(4):  # visitors' prompts on every tool set, that no session reads any more
+            service.engine_for(tools).new_session(prompt=f"Visitor {n}.\n{{tools}}\n" + "The quick fox. " * 40)
+    chats = [service.store.peek(key).session for key in ("page-1", "page-2")]
+    read = sum(kv_nbytes(kv) for kv in {id(kv): kv for kv in service.store.prefixes()}.values())
+    assert service.shared_kv_bytes() > 3 * read  # the unread prompts
+    service.store.budget_bytes = sum(chat.cache.nbytes for chat in chats) + read  # what is in use, exactly
+    assert service.store.enforce_budget(service.shared_kv_bytes()) == []  # no chat lost its cache
+    assert all(chat.cache.nbytes > 0 for chat in chats)
+    assert service.shared_kv_bytes() == read  # the prompts the chats read stay, and count
+
+
+def test_a_prompt_let_go_of_while_a_batch_row_reads_it_counts_until_nothing_does(tiny_llama):
+    import gc
+
+    engine = Engine(tiny_llama)
+    row = engine.new_session(prompt="A batch's own prompt.\n{tools}\n")  # (a batch row: in no store)
+    kv = row.cache.prefix
+    engine.release_prompts(read=set())
+    assert [id(k) for k in engine.shared_kv()] == [id(kv)]  # let go of, still read: still counted
+    del row, kv
+    gc.collect()
+    assert engine.shared_kv() == []
 
 
 def test_a_model_job_reserves_what_its_caches_will_hold_after_one_growth_step(tiny_llama):
