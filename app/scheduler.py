@@ -88,16 +88,20 @@ class SchedulerStats:
 def plan_step(rows: list[tuple[int, int]]) -> list[int]:
     """How many of its pending tokens each (pending, keep) row feeds this step: all of them for a decoding row
     (a token, or a few drafts), a chunk for a prefilling one, never leaving fewer than `keep` for its last chunk.
-    Prefill chunks share a small budget while any other row is in the step, so they never stall it for long."""
+    Prefill chunks share a small budget while any other row is in the step, so they never stall it for long, and
+    the shortest prefills take it first: a question or a tool's result behind a long prefill (a cache-off batch
+    recomputing 8 sessions, an evicted history) waited for all of it, in the order the rows came (a chat's first
+    text 0.02 s alone, 4.3 s beside a cache-off batch of 8)."""
     decoding = any(pending <= keep for pending, keep in rows)
     budget = CHUNK_BESIDE_DECODE if decoding else CHUNK_ALONE
-    plan = []
-    for pending, keep in rows:
-        n = pending if pending <= keep else min(pending, budget)  # (0: it waits for the next step)
+    plan = [pending if pending <= keep else 0 for pending, keep in rows]
+    for i in sorted((i for i, (pending, keep) in enumerate(rows) if pending > keep), key=lambda i: rows[i][0]):
+        pending, keep = rows[i]
+        n = min(pending, budget)  # (0: it waits for the next step)
         if 0 < pending - n < keep:
             n = max(0, pending - keep)
-        budget -= n if pending > keep else 0
-        plan.append(n)
+        budget -= n
+        plan[i] = n
     return plan
 
 

@@ -28,8 +28,10 @@ def wait_for_steps(scheduler: Scheduler, n: int, timeout: float = 60.0) -> None:
 @pytest.mark.parametrize("rows, expected", [
     ([(1, 1)], [1]),  # a decode step
     ([(900, 1)], [CHUNK_ALONE]),  # a long prefill alone: big chunks
-    ([(900, 1), (300, 1)], [CHUNK_ALONE, 0]),  # two prefills, no decoding row: one at a time
-    ([(1, 1), (900, 1), (500, 1)], [1, CHUNK_BESIDE_DECODE, 0]),  # beside a decoding row: a small chunk
+    ([(900, 1), (300, 1)], [CHUNK_ALONE - 300, 300]),  # two prefills, no decoding row: the shorter first
+    ([(1, 1), (900, 1), (500, 1)], [1, 0, CHUNK_BESIDE_DECODE]),  # beside a decoding row: a small chunk
+    # Regression: a question behind a cache-off batch's recomputations waited for all of them (first text 4.3 s)
+    ([(900, 1), (900, 1), (15, 1), (1, 1)], [CHUNK_BESIDE_DECODE - 15, 0, 15, 1]),
     ([(5, 5), (20, 1)], [5, 20]),  # drafts are fed whole; a short prefill fits the budget
     ([(CHUNK_BESIDE_DECODE + 1, 9), (1, 1)], [CHUNK_BESIDE_DECODE + 1 - 9, 1]),  # the last chunk keeps `keep`
 ])
