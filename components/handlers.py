@@ -36,6 +36,8 @@ from components.tokens import token_spans
 
 log = logging.getLogger(__name__)
 
+MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the running one too): more stay in the box
+
 
 def done_status(unanswered: int) -> str:
     """A turn's final status. Regression: a plain "done" landed after the visitor's next message had been sent
@@ -217,8 +219,8 @@ class ChatService:
             entry.unanswered.discard(sent)
             yield view("stopped: the message was not sent", textbox=message)
             return
-        yield view("running")
         try:
+            yield view("running")  # (in the try: a stream closed here still lets go of its message)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
                                                    tools)
             clean_question(message)  # before prepare: a rejected message must not start a new chat
@@ -247,6 +249,7 @@ class ChatService:
             entry.waiting.pop(sent, None)
             yield view(failure_status(error, "turn", key), textbox=message, full=True)
         finally:
+            entry.waiting.pop(sent, None)
             entry.unanswered.discard(sent)
 
     def timing(self, request: gr.Request) -> tuple:
@@ -264,8 +267,12 @@ class ChatService:
     def submit(self, message: str, chat: list | None, request: gr.Request) -> tuple[str, dict, list]:
         """Runs unqueued the moment the page sends a message: empties the box at once (what the visitor types
         next is kept, even while this turn waits), shows the message in the chat as waiting, and hands the turn
-        its message and Stop ticket."""
+        its message and Stop ticket. A visitor with MAX_UNANSWERED messages unanswered keeps this one in the box:
+        each waiting turn holds one of the model's shared places while it waits for the visitor's running one,
+        so one visitor pressing Send 32 times held them all and every other visitor waited (found in review)."""
         entry, message = self.store.get(request.session_hash), message or ""
+        if message.strip() and len(entry.unanswered) >= MAX_UNANSWERED:
+            return message, {"refused": len(entry.unanswered)}, gr.skip()
         submitted = {"message": message, "ticket": entry.chat_stop.ticket(), "sent": next(entry.sent)}
         if not message.strip():
             return "", submitted, gr.skip()
@@ -285,6 +292,11 @@ class ChatService:
         """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
         status (done / error)."""
         submitted = submitted or {}
+        if "refused" in submitted:  # (kept in the box by submit; no place taken, no wait for the running turn)
+            gr.Warning(f"not sent: {submitted['refused']} messages are waiting for their answers; send this one "
+                       "when one is answered")
+            yield (gr.skip(),) * 8
+            return
         for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
                                 temperature, tools, prompt, request, submitted.get("ticket"), submitted.get("sent")):
             if output[2] == "running":

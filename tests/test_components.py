@@ -545,6 +545,37 @@ def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tin
     assert order[0] == "done · 1 more message to answer" and order[-1] == "stopped: the message was not sent"
 
 
+def test_a_visitor_with_three_messages_unanswered_keeps_the_next_in_the_box(tiny_llama):
+    """Regression (review): every message sent while the visitor's turn ran took one of the model's shared places
+    and held it while it waited for that turn: one visitor pressing Send 32 times held them all, and every other
+    visitor waited. Now a fourth unanswered message stays in the box, with a warning, and takes no place."""
+    from components.handlers import MAX_UNANSWERED
+
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    sent = [service.submit(f"message {n}", [], request())[1] for n in range(MAX_UNANSWERED)]
+    box, refused, chat = service.submit("one more", [], request())
+    assert box == "one more" and chat == gr.skip() and "message" not in refused
+    with pytest.warns(UserWarning, match="not sent: 3 messages are waiting"):
+        assert list(service.chat_page(refused, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(),
+                                      request())) == [(gr.skip(),) * 8]
+    entry = service.store.peek("page-1")
+    assert sorted(entry.waiting.values()) == [f"message {n}" for n in range(MAX_UNANSWERED)]
+    list(service.chat_page(sent[0], True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request()))
+    assert service.submit("one more", [], request())[0] == ""  # one answered: room again
+
+
+def test_a_turn_closed_at_its_first_update_lets_go_of_its_message(tiny_llama):
+    """Regression (review): a stream closed at the turn's first update (the page went away) left its message
+    waiting and unanswered for good: the chat said "1 more message to answer" from then on."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    _, submitted, _ = service.submit("bye", [], request())
+    turn = service.chat_page(submitted, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request())
+    next(turn)
+    turn.close()
+    entry = service.store.peek("page-1")
+    assert not entry.waiting and not entry.unanswered
+
+
 def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     """Regression: a message sent while another turn ran vanished from the box and did not appear in the chat
     until its own turn started; the running turn's updates now show it too, as waiting."""
