@@ -100,3 +100,20 @@ def test_a_hint_names_a_tool_only_where_the_session_has_it():
     assert run_tool(default_tools(), "Calculator", "kludge") == ToolResult(
         word + "; to look up what a word means, use Search", ok=False)  # (the text the model has always read)
     assert run_tool(get_tools(["Calculator"]), "Calculator", "kludge") == ToolResult(word, ok=False)
+
+
+@pytest.mark.parametrize("query, computed", [("2 + 2", "4"), ("0 + 0", "0"), ("(3*4)/2", "6"), ("1,000 + 234", "1234"),
+                                             ("41 * 23", "943")])
+def test_a_sum_sent_to_search_says_what_the_calculator_gives(query, computed):
+    """Seen in Chromium: after a few questions a chat sent "What is 2 + 2?" to Search, which found the Jargon
+    File's "2: infix", and the model answered "Result = 2". Now Search names the Calculator's result where the
+    session has the Calculator (the model then answered "Result = 4"), and only says what it is otherwise."""
+    error = f'error: "{query}" is arithmetic, not a word'
+    assert run_tool(default_tools(), "Search", query) == ToolResult(f"{error}; the Calculator gives {computed}",
+                                                                     ok=False)
+    assert run_tool(get_tools(["Search"]), "Search", query) == ToolResult(error, ok=False)
+
+
+@pytest.mark.parametrize("query", ["0", "2", "404", "x + 2", "-1", "kludge"])
+def test_numbers_alone_and_words_with_operators_are_still_looked_up(query):
+    assert run_tool(default_tools(), "Search", query).ok

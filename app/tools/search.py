@@ -49,6 +49,9 @@ CLOSEST = 0.7  # difflib ratio for "did you mean": skewernet -> sneakernet 0.74;
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
+# Two numbers and an operator between them, and nothing else ("2 + 2", "(3 * 4) / 2"): a sum sent to the wrong
+# tool. (The Jargon File's only headwords of digits alone are 0, 2 and 404, which stay look-ups.)
+_ARITHMETIC = re.compile(r"[\d\s.,()+\-*/×÷^%=]*\d\s*[-+*/×÷^%]\s*[\d(][\d\s.,()+\-*/×÷^%=]*")
 
 
 @dataclass(frozen=True)
@@ -310,11 +313,23 @@ def first_entry(output: str) -> str:
     return output.split("\n", 1)[0]
 
 
+def _computed(query: str) -> str:
+    """The hint for a sum sent to Search: what the Calculator gives (shown only where the session has it)."""
+    from app.tools.calculator import calculate
+
+    try:
+        return f"the Calculator gives {calculate(query)}"
+    except ToolError:
+        return "to compute it, use Calculator"
+
+
 def search_tool(query: str) -> str:
     """The Search tool: top hits in the Jargon File as compact text."""
     if not isinstance(query, str) or not query.strip():
         raise ToolError("empty query: give a word or phrase to look up")
     shown = shorten(" ".join(query.split()), 60)
+    if _ARITHMETIC.fullmatch(query.strip()):  # as the calculator does with words: the message names the tool
+        raise ToolError(f'"{shown}" is arithmetic, not a word', hint=("Calculator", _computed(query)))
     if not query_terms(query):
         raise ToolError(f'no words to search for in "{shown}"')
     hits = get_backend().search(query, TOOL_RESULTS)
