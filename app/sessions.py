@@ -135,6 +135,8 @@ class SessionStore:
         self._turns = threading.Condition()  # chat turns running (see turn_slot)
         self._running = 0
         self._reserved = 0  # bytes the running turns reserve (see turn_slot)
+        self._tickets = itertools.count()  # jobs waiting for their place, in arrival order (see turn_slot)
+        self._queue: list[int] = []
         # Frees KV held outside the sessions that nothing needs (a server's unread prefilled prompts), returning
         # the bytes freed: tried before any session's cache is dropped to fit the budget.
         self.release_shared: Callable[[], int] | None = None
@@ -265,12 +267,21 @@ class SessionStore:
         other job runs (one always may, whatever the budget); otherwise it waits for jobs to end. A running
         session's cache is never dropped, so this is what holds the budget under load. A job reserves `reserve`
         bytes for what it is about to add while it runs (kv_reserve): jobs that arrive together would otherwise
-        all start against the same free room (20 chats at once peaked at 259 MB under a 64 MB budget). A job
-        stopped while it waits starts at once (and stops at its first step)."""
+        all start against the same free room (20 chats at once peaked at 259 MB under a 64 MB budget). Waiting
+        jobs start in the order they came: a later one that fits does not pass one that needs more room (20 chats
+        under 64 MB: p95 first text 8.9-10.9 s when any that fitted went first, 4.5 s in order). A job stopped
+        while it waits starts at once (and stops at its first step)."""
         with self._turns:
-            while self._running and not (cancel is not None and cancel.is_set()) \
-                    and self._over_budget(shared_bytes() + self._reserved + reserve):
-                self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+            try:  # in arrival order: the first waiting job starts when it fits, or when no job runs
+                while not (cancel is not None and cancel.is_set()) and (
+                        self._queue[0] != ticket or
+                        self._running and self._over_budget(shared_bytes() + self._reserved + reserve)):
+                    self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
+            finally:
+                self._queue.remove(ticket)
+                self._turns.notify_all()  # (the next in line may fit now)
             self._running += 1
             self._reserved += reserve
         try:
