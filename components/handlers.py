@@ -214,10 +214,14 @@ class ChatService:
                 return chat, textbox, status, gr.skip(), gr.skip()
             return chat, textbox, status, self.token_view(current), self.stats(current)
 
-        if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent
+        if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent, and goes
+            # back to the box with any other the same Stop kept from being sent (each used to replace the last)
             entry.waiting.pop(sent, None)
             entry.unanswered.discard(sent)
-            yield view("stopped: the message was not sent", textbox=message)
+            entry.unsent.append(message)
+            count = len(entry.unsent)
+            status = "the message was not sent" if count == 1 else f"{count} messages were not sent"
+            yield view(f"stopped: {status}", textbox="\n".join(entry.unsent))
             return
         try:
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
@@ -273,6 +277,7 @@ class ChatService:
         entry, message = self.store.get(request.session_hash), message or ""
         if message.strip() and len(entry.unanswered) >= MAX_UNANSWERED:
             return message, {"refused": len(entry.unanswered)}, gr.skip()
+        entry.unsent.clear()  # (messages a Stop put back in the box: the box is the visitor's again)
         submitted = {"message": message, "ticket": entry.chat_stop.ticket(), "sent": next(entry.sent)}
         if not message.strip():
             return "", submitted, gr.skip()

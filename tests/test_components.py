@@ -459,9 +459,11 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     assert list(service.store.peek("page-1").waiting.values()) == ["second", "third"]
     service.stop(request())  # pressed while both wait in the queue
     episodes = len(service.store.peek("page-1").session.episodes)
-    for payload in queued:
+    for kept, payload in enumerate(queued, start=1):
         chat, box, status, *_ = page_turn(service, payload)
-        assert status == "stopped: the message was not sent" and box == payload["message"]  # back in the box
+        # back in the box, each with those the same Stop kept before it (regression: each replaced the last)
+        assert box == "\n".join(p["message"] for p in queued[:kept])
+        assert status == ("stopped: the message was not sent" if kept == 1 else "stopped: 2 messages were not sent")
     assert len(service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
     assert not service.store.peek("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
     chat, _, status, *_ = page_turn(service, service.submit("after the stop", chat, request())[1], max_new_tokens=3)
