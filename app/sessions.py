@@ -98,6 +98,7 @@ class Entry:
     waiting: dict[int, str] = field(default_factory=dict)  # sent messages whose turn has not started, by number
     unanswered: set[int] = field(default_factory=set)  # sent messages whose turn has not ended (waiting or running)
     unsent: list[str] = field(default_factory=list)  # waiting messages a Stop put back in the box, since the last send
+    comparing: set[object] = field(default_factory=set)  # Compare runs under way (they share the turns' status line)
     sent: Iterator[int] = field(default_factory=itertools.count)  # numbers them
     # one chat turn's handler at a time, start to last update: each turn's final status ("done · 1 more message
     # to answer") reaches the page before the next turn's updates, never after them

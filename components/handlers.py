@@ -39,13 +39,13 @@ log = logging.getLogger(__name__)
 MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the running one too): more stay in the box
 
 
-def done_status(unanswered: int) -> str:
-    """A turn's final status. Regression: a plain "done" landed after the visitor's next message had been sent
-    (waiting, or already started: the final update can arrive after the next turn's first), so the page said
-    done while a message of theirs was still being answered."""
-    if not unanswered:
-        return "done"
-    return f"done · {counted(unanswered, 'more message')} to answer"
+def done_status(unanswered: int, comparing: int = 0) -> str:
+    """A turn's or a Compare's final status, on the status line they share. Regressions: a plain "done" landed
+    after the visitor's next message had been sent (waiting, or already started: the final update can arrive
+    after the next turn's first), and a turn's "done" while a Compare still ran; the page said done while work
+    of theirs still ran."""
+    parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
+    return " · ".join(["done", *parts, *["compare still running"] * bool(comparing)])
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:
@@ -248,7 +248,8 @@ class ChatService:
                     yield view("running", partial=partial, full=full)
             self.store.enforce_budget(self.shared_kv_bytes())
             others = len(entry.unanswered - {sent})
-            yield view(done_status(others) if entry.session is session else "new chat", full=True)
+            yield view(done_status(others, len(entry.comparing)) if entry.session is session else "new chat",
+                       full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             entry.waiting.pop(sent, None)
             yield view(failure_status(error, "turn", key), textbox=message, full=True)
@@ -315,9 +316,10 @@ class ChatService:
         chat is unchanged); with an empty message box, the chat's last turn again, from where it was asked (so
         the cached run can be checked against the chat's own answer). Yields (result markdown, status)."""
         entry = self.store.get(request.session_hash)
-        cancel = entry.chat_stop.begin(ticket)
-        yield gr.skip(), "running: compare (cache on, then off)"
+        cancel, mine = entry.chat_stop.begin(ticket), object()
+        entry.comparing.add(mine)
         try:
+            yield gr.skip(), "running: compare (cache on, then off)"
             question = (message or "").strip()
             rerun = not question  # the chat's last turn again
             if rerun:
@@ -336,9 +338,14 @@ class ChatService:
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
                 result = compare(engine, session, question, settings, cancel=cancel,  # (off needs more than on)
                                  turns=turns)
-            yield compare_markdown(result), "done (stopped by user)" if result.stopped else "done"
+            entry.comparing.discard(mine)
+            status = done_status(len(entry.unanswered), len(entry.comparing))
+            yield compare_markdown(result), status.replace("done", "done (stopped by user)", 1) if result.stopped \
+                else status
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
+        finally:
+            entry.comparing.discard(mine)
 
     @staticmethod
     def builtin_batch() -> str:

@@ -444,6 +444,20 @@ def page_turn(service, submitted: dict, max_new_tokens: int = 50) -> tuple:
                                   default_prompt_template(), request()))[-1]
 
 
+def test_a_turns_done_says_so_while_a_compare_of_the_visitors_still_runs(tiny_llama):
+    """Regression (review): turns and Compare share the status line and run at once; the turn's "done" landed
+    while Compare still ran, and the page said done until Compare's own end."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    page_turn(service, service.submit("first", [], request())[1], max_new_tokens=3)
+    compare = service.compare("", True, 4096, 3, 4, 0, ["Calculator", "Search"], default_prompt_template(), request(),
+                              service.ticket(request()))
+    assert next(compare)[1] == "running: compare (cache on, then off)"
+    status = page_turn(service, service.submit("second", [], request())[1], max_new_tokens=3)[2]
+    assert status == "done · compare still running"
+    assert list(compare)[-1][1] == "done"
+    assert page_turn(service, service.submit("third", [], request())[1], max_new_tokens=3)[2] == "done"
+
+
 def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     """Regressions: the turn cleared the Stop flag when it started, so a Stop pressed while it waited in the queue
     was ignored; then one 'armed' slot per visitor made a Stop cancel the next queued message but not the one
