@@ -396,8 +396,11 @@ class ChatService:
         self.store.cancel(request.session_hash, "batch")
 
     def new_chat(self, request: gr.Request) -> tuple:
+        """An empty chat, but for messages already sent and waiting (they are answered in the new chat: shown
+        there, not hidden until the old turn's last update brought them back); the box keeps what is typed."""
         entry = self.store.reset(request.session_hash)
-        return [], "", "new chat", [], self.stats(entry.session)
+        return (chat_messages([], waiting=list(entry.waiting.values())), gr.skip(), "new chat", [],
+                self.stats(entry.session))
 
     def refresh(self, request: gr.Request) -> tuple:
         """Page load: a new page (a reload too) is a new Gradio session, so this shows an empty chat, the

@@ -386,9 +386,25 @@ def test_sessions_are_separate_and_new_chat_clears(tiny_llama):
     assert service.refresh(request("one"))[0][0]["content"] == "from page one"
     chat, textbox, status, tokens, stats = service.new_chat(request("one"))
     assert chat == [] and tokens == [] and status == "new chat" and "no tokens yet" in stats
+    assert textbox == gr.skip()  # (what the visitor has typed stays)
     assert service.store.peek("one").session is None and service.store.peek("two").session is not None
     service.unload(request("two"))
     assert "two" not in service.store
+
+
+def test_new_chat_shows_the_messages_still_waiting_which_it_will_answer(tiny_llama):
+    """Regression (review): New chat showed an empty chat while a sent message still waited; the old turn's last
+    update brought it back, and the new chat answered it."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    running = service.chat_page(service.submit("first", [], request())[1], True, 4096, 30, 4, 0,
+                                ["Calculator", "Search"], default_prompt_template(), request())
+    next(running), next(running)
+    _, second, _ = service.submit("second", [], request())
+    chat, _, status, *_ = service.new_chat(request())
+    assert chat == waiting_messages("second") and status == "new chat"
+    list(running)
+    chat, _, status, *_ = page_turn(service, second, max_new_tokens=3)
+    assert status == "done" and chat[0]["content"] == "second" and WAITING not in str(chat)
 
 
 def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
