@@ -22,14 +22,15 @@ from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.server_backend import ServerBackend
-from app.sessions import MB, Entry, SessionStore, kv_reserve
+from app.sessions import Entry, SessionStore, kv_reserve
 from app.streaming import in_batches
 from app.tools.registry import default_tools, get_tools
+from components.api import ApiHandlers
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
 from components.chat import chat_messages, waiting_messages
 from components.compare import compare_markdown
-from components.inputs import clean_prompt, make_settings, settings_from_dict
+from components.inputs import clean_prompt, make_settings
 from components.stats import counted, stats_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import token_spans
@@ -61,18 +62,7 @@ def failure_status(error: Exception, what: str, key: str) -> str:
     return f"error: internal error ({type(error).__name__}: {error})"
 
 
-def api_error(error: Exception, what: str) -> gr.Error:
-    """The error an API client sees: a user mistake as is, anything else logged and named (not Gradio's generic
-    "upstream app has raised an exception")."""
-    if isinstance(error, BackendError):
-        log.warning("%s failed: %s", what, error)
-    if isinstance(error, (InputError, BackendError)):  # a user mistake or the model server's: no traceback
-        return gr.Error(str(error), print_exception=False)
-    log.exception("%s failed", what)  # logged here once; Gradio need not print it again
-    return gr.Error(f"internal error ({type(error).__name__}: {error})", print_exception=False)
-
-
-class ChatService:
+class ChatService(ApiHandlers):
     """The process's shared pieces: the model backend (loaded lazily, once: in process, or a model server when
     MODEL_SERVER_URL is set), engines by tool set, the session store."""
 
@@ -412,57 +402,3 @@ class ChatService:
 
     def unload(self, request: gr.Request) -> None:
         self.store.remove(request.session_hash)
-
-    # ---- API ------------------------------------------------------------------------------------------------
-    def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings, str | None]:
-        values, tools, prompt = settings_from_dict(settings)
-        engine = self.engine_for(tools)
-        return engine, values.validated(engine.context_limit), prompt
-
-    def api_ask(self, question: str, settings: dict | None = None) -> dict:
-        """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON)."""
-        try:
-            engine, values, prompt = self._api_settings(settings)
-            session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
-            with self.store.turn_slot(self.shared_kv_bytes, reserve=self.kv_reserve(session, values.use_cache)):
-                return engine.ask(session, question, values).to_json()
-        except Exception as error:  # API boundary: the client gets the message, the log the traceback
-            raise api_error(error, "/ask") from None
-
-    def api_stats(self) -> dict:
-        """The server's load, for monitoring (the load test polls it): sessions, their KV against the budget,
-        and how many rows the in-process scheduler batches into a step."""
-        store = self.store.stats(self.shared_kv_bytes())
-        backend = self._backend
-        out = {"sessions": store.sessions, "kv_mb": round(store.kv_bytes / MB, 2),
-               "shared_kv_mb": round(store.shared_bytes / MB, 2), "budget_mb": round(store.budget_bytes / MB, 2)}
-        scheduler = getattr(getattr(backend, "loaded", None), "scheduler", None)
-        if scheduler is not None:
-            stats = scheduler.stats
-            out["scheduler"] = {"steps": stats.steps, "mean_rows": round(stats.rows / max(1, stats.steps), 2),
-                                "peak_rows": stats.peak_rows}
-        return out
-
-    def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
-        """Continue this API client's chat (one per client session); yields the growing text of the turn."""
-        try:
-            engine, values, prompt = self._api_settings(settings)
-            message = clean_question(message)  # before prepare: a rejected message must not start a new chat
-            entry = self.store.get(request.session_hash)
-            session = self.prepare(entry, engine, values, prompt)
-            text = ""
-            cancel = entry.chat_stop.begin(None)
-            reserve = self.kv_reserve(session, values.use_cache)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
-                for events in in_batches(engine.turn(session, message, values, cancel=cancel), cancel):
-                    before = len(text)
-                    for event in events:
-                        if isinstance(event, TextDelta):
-                            text += event.text
-                        elif isinstance(event, SegmentFinished) and event.segment.kind == "tool":
-                            text += event.segment.text
-                    if len(text) > before:
-                        yield text
-            self.store.enforce_budget(self.shared_kv_bytes())
-        except Exception as error:  # API boundary: the client gets the message, the log the traceback
-            raise api_error(error, "/chat") from None
