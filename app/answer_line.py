@@ -21,16 +21,22 @@ at most one newline): a small model sometimes wrote the next example's "\nQ:" ri
 ("Can you help me?" searched "help"; "Explain the term snippage." got its entry, then wrote nothing), which
 ended the turn with no answer at all, shown as "(no text)".
 
+After the Calculator's output, a number the answer line writes is that output: the model dropped the sign of a
+negative result ("5 - 29": the tool said -24, the answer read "Result = 24"; 2 of 3 negative results) and once
+wrote 100 for "4,096 / 64" where the tool said 64. Words before the number, or after it, stay free.
+
 This is a constraint on the next token, like a grammar in serving engines: deterministic, applied in the same
 way with the cache on or off and to verified drafts, so greedy output stays a pure function of the token ids.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from typing import TYPE_CHECKING
 
-from app.protocol import ANSWER_PREFIX, REQUEST, RESPONSE, SUBMIT
+from app.protocol import ANSWER_PREFIX, CALL, REQUEST, RESPONSE, SUBMIT
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +45,30 @@ _TAG = re.compile(r"<([A-Za-z]*)")
 _OPEN_TAG = re.compile(r"<([A-Za-z]*)$")
 _GLUED = re.compile(r"\S<[A-Za-z]*$")  # a `<` right after the answer's text: it ends the line (not "3 < 5")
 _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
+# The Calculator's call and its output (app.tools.numbers.format_number: 943, -24, 0.3, 1.5e20) at the end of the ids
+_CALCULATED = re.compile(re.escape(REQUEST) + r"<Calculator>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
+                         + re.escape(RESPONSE) + r"\Z")
+_NUMBER_START = "0123456789-+."
+
+
+def _writes_a_number(text: str) -> bool:
+    return text.lstrip()[:1] in tuple(_NUMBER_START)
+
+
+def _goes_on_a_number(rest: str) -> bool:
+    """Whether `rest`, written right after a number, continues it (a digit, or a decimal point and a digit)."""
+    return rest[:1].isdigit() or (rest[:1] == "." and rest[1:2].isdigit())
+
+
+def number_allows(written: str, number: str, text: str) -> bool:
+    """Whether the answer line, with `written` after its `Result =`, may take `text` next when the Calculator gave
+    `number` (" " + its output): the number, whole, or text that is not a number."""
+    after = written + text
+    if number.startswith(after):
+        return True
+    if after.startswith(number):
+        return not _goes_on_a_number(after[len(number):])
+    return not written.strip() and not _writes_a_number(after)  # (once begun, the number is the one given)
 
 
 def breaks_the_line(text: str) -> bool:
@@ -83,8 +113,10 @@ class AnswerLine:
     text ends with. Fed the segment's text as it grows; a segment starts on a new line (after the question's
     line or a tool's `<response>`)."""
 
-    def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False):
+    def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False, number: str | None = None):
         self._prefix = prefix
+        self._number = None if number is None else " " + number  # the Calculator's output, as the answer writes it
+        self._line = ""  # the current line, while `number` may still be due on it
         self._opening = ""  # the line's first characters: whether it is the answer line
         self._end = ""  # its last characters: an open `<tag`
         self._brackets = 0  # round brackets the line has opened and not closed
@@ -100,6 +132,21 @@ class AnswerLine:
     def on_answer(self) -> bool:
         """Whether the answer line's grammar applies now: the current line opens with the answer prefix."""
         return self._opening.lstrip().startswith(self._prefix)
+
+    @property
+    def number_due(self) -> str | None:
+        """While the answer line may still write the Calculator's number: its text after `Result =` so far."""
+        if self._number is None or not self.on_answer:
+            return None
+        written = self._line.lstrip()[len(self._prefix):]
+        if self._number.startswith(written) or (written.startswith(self._number) and written == self._number):
+            return written
+        return None if written.strip() else written
+
+    @property
+    def number(self) -> str | None:
+        """The Calculator's output the answer line must write as its number (" " + it), if any."""
+        return self._number
 
     @property
     def can_end(self) -> bool:
@@ -126,6 +173,7 @@ class AnswerLine:
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
         other._opening, other._end, other._head = self._opening, self._end, self._head
+        other._number, other._line = self._number, self._line
         other._brackets = self._brackets
         return other
 
@@ -135,9 +183,11 @@ class AnswerLine:
             if _past_one_newline(self._head).startswith(OPENINGS):
                 self._head = None  # opened: the answer line's own rules (or none, in a call) from here
         if "\n" in delta:
-            self._opening = self._end = ""
+            self._opening = self._end = self._line = ""
             self._brackets = 0
             delta = delta.rsplit("\n", 1)[-1]
+        if self._number is not None and len(self._line) < len(self._prefix) + len(self._number) + 8:
+            self._line += delta  # (only as long as the number's rule needs it)
         for char in delta:  # (a `)` with none open closes nothing: "Result = :)")
             if char in "()":
                 self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)
@@ -154,12 +204,23 @@ class AnswerGrammar:
         self._newlines = [i for i, text in enumerate(self._texts) if "\n" in text and not text.strip()]
         self._lt = self._texts.index(SUBMIT[0])  # the `<` that opens `<submit>`
         self._close = self._texts.index(")")
+        # for the Calculator's number (number_allows): the tokens that begin a number, each text's ids, all sorted
+        self._numeric = [i for i, text in enumerate(self._texts) if _writes_a_number(text)]
+        self._by_text: dict[str, list[int]] = {}
+        for i, text in enumerate(self._texts):
+            self._by_text.setdefault(text, []).append(i)
+        self._sorted = sorted((text, i) for i, text in enumerate(self._texts))
         # (rule, its state) -> the ids it bans; a handful of states, each computed once
-        self._banned: dict[tuple[str, str | None], torch.Tensor] = {}
+        self._banned: dict[tuple, torch.Tensor] = {}
 
     def text(self, token: int) -> str:
         """A token's text, as decoded once here (no tokenizer call, so no lock)."""
         return self._texts[token]
+
+    def calculated(self, ids: list[int]) -> str | None:
+        """The Calculator's output when these ids end with its call and output (the number the answer writes)."""
+        found = _CALCULATED.search("".join(self._texts[i] for i in ids[-64:]))
+        return found[1] if found else None
 
     def follows_a_tool(self, ids: list[int]) -> bool:
         """Whether a segment that starts after these ids follows a tool's output: the texts of the last few ids end
@@ -178,9 +239,39 @@ class AnswerGrammar:
         if state is not None and line.glued_tag:  # "Result = Toaster<": `submit>` only (not "Toaster<1><submit>")
             return self._ban(("glued", state), lambda text: not _spells_submit("<" + state + text))
         tag = "" if state is None else "<" + state
-        return self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
+        banned = self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
+        written, number = line.number_due, line.number
+        if written is None or state is not None:
+            return banned
+        key = ("number", number, written)
+        if key not in self._banned:
+            import torch
 
-    def _ban(self, key: tuple[str, str | None], bans) -> torch.Tensor:
+            if len(self._banned) > 4096:  # (a number's states: a few per answer)
+                for old in [k for k in self._banned if k[0] == "number"]:
+                    del self._banned[old]
+            self._banned[key] = torch.cat([banned, self._number_ban(written, number)])  # (repeats do no harm)
+        return self._banned[key]
+
+    def _number_ban(self, written: str, number: str) -> torch.Tensor:
+        """The tokens number_allows bars after `written`, found among the few that could be allowed or barred:
+        before the number, the tokens that begin one; once begun, all but those that go on with it."""
+        import torch
+
+        if not written.strip():
+            return torch.tensor([i for i in self._numeric if not number_allows(written, number, self._texts[i])],
+                                dtype=torch.long)
+        rest = number[len(written):]
+        allowed = [i for k in range(1, len(rest) + 1) for i in self._by_text.get(rest[:k], ())]
+        first = bisect.bisect_left(self._sorted, (rest, -1))
+        for text, i in itertools.takewhile(lambda item: item[0].startswith(rest), self._sorted[first:]):
+            if number_allows(written, number, text):
+                allowed.append(i)
+        barred = torch.ones(len(self._texts), dtype=torch.bool)
+        barred[allowed] = False
+        return barred.nonzero().flatten()
+
+    def _ban(self, key: tuple, bans) -> torch.Tensor:
         if key not in self._banned:
             import torch
 

@@ -573,3 +573,29 @@ def test_a_line_that_follows_no_tool_may_still_be_the_next_question(tiny_llama, 
     plan = plan_text(tokenizer, (0, "\nQ: next"))
     _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=12)
     assert episode.stop.string == "\nQ:"
+
+
+@pytest.mark.parametrize("written, text, allowed", [
+    ("", " -", True), ("", " -24", True), ("", " 24", False), ("", " +", False), ("", " The", True), ("", "<", True),
+    (" ", "-", True), (" ", "+24", False), (" -", "2", True), (" -", "3", False), (" -", " apples", False),
+    (" -24", "0", False), (" -24", ".5", False), (" -24", "<", True), (" -24", ".", True), (" -24", " apples", True),
+    ("", " -24<", True), ("", " -240", False),
+])
+def test_after_the_calculator_a_number_on_the_answer_line_is_its_output(written, text, allowed):
+    """Regression: after the Calculator said -24 the model answered "Result = 24" (the sign dropped)."""
+    from app.answer_line import number_allows
+
+    assert number_allows(written, " -24", text) is allowed
+
+
+@pytest.mark.parametrize("tail, number", [
+    ("<request><Calculator>5 - 29<call>-24<response>", "-24"), ("<request><Calculator>0.1+0.2<call>0.3<response>", "0.3"),
+    ("<request><Calculator>2**100<call>1.26765060023e30<response>", "1.26765060023e30"),
+    ("<request><Calculator>x<call>error: name 'x' is not allowed<response>", None),
+    ("<request><Search>2<call>2: infix<response>", None), ("<request><Calculator>1+1<call>2<response>\nResult = 2", None),
+])
+def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenizer, tail, number):
+    from app.answer_line import AnswerGrammar
+
+    ids = tokenizer("Q: What is it?\n" + tail, add_special_tokens=False)["input_ids"]
+    assert AnswerGrammar(tokenizer).calculated(ids) == number
