@@ -188,3 +188,22 @@ def test_backend_is_swappable() -> None:
         assert search_tool("anything") == "answer: you asked anything"
     finally:
         search.set_backend(None)
+
+
+def test_no_headwords_opening_is_only_its_labels() -> None:
+    """Regression (review): "//" (an empty pronunciation) and labels without their period or outside the list
+    ("n", "adj", "prov.", "obs.", "cav") were not apparatus, so 60 entries, YMMV, AFAIK, 404, BOFH and Murphy's Law
+    among them, gave "//, n" or "prov" as their definition, and the model answered "Result = 404: n"."""
+    import gzip
+    import json
+    import re
+
+    from app.tools.jargon import opening
+
+    label = r"(?:n|v|vt|vi|adj|adv|interj|imp|prep|excl|conj|pron|abbrev|suff|pref|prov|quant|cav|obs)"
+    labels = re.compile(rf"[/\s,.]*(?:(?:pl\.\s*)?{label}\.?[\s,.]*)*", re.IGNORECASE)
+    with gzip.open(JARGON_CORPUS, "rt", encoding="utf-8") as lines:
+        bare = [row["title"] for row in map(json.loads, lines) if labels.fullmatch(opening(row["text"]))]
+    assert bare == []
+    assert search_tool("YMMV").startswith("YMMV: Abbreviation for Your mileage may vary")
+    assert search_tool("404").startswith("404: Extended to humans")

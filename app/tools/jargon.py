@@ -15,9 +15,12 @@ _SHORT_SENTENCE = 20  # a first sentence shorter than this gets the next one too
 
 # One piece of the apparatus before a definition: a pronunciation, a part of speech, a bracketed
 # note, a sense number, or separating punctuation.
-_PART_OF_SPEECH = r"(?:pl\.\s*)?(?:n|v|vt|vi|adj|adv|interj|imp|prep|excl|conj|pron|abbrev|suff|pref)\."
+# (The labels also come without their period where a comma or the paragraph's end follows: "n.,vi", "adj"; an
+# empty pronunciation is "//": 60 entries, YMMV, AFAIK and 404 among them, gave their labels as the definition.)
+_PART_OF_SPEECH = (r"(?:pl\.\s*)?(?:n|v|vt|vi|adj|adv|interj|imp|prep|excl|conj|pron|abbrev|suff|pref|prov|quant|cav"
+                   r"|obs)(?:\.|(?=,|\s*\Z))")
 _APPARATUS = re.compile(
-    rf"\A(?:\s+|[,;:]|/[^/\n]{{1,40}}/|{_PART_OF_SPEECH}|\[[^\]]*\]|\(also [^)]*\)|\d{{1,2}}\.(?=\s))", re.IGNORECASE)
+    rf"\A(?:\s+|[,;:]|/[^/\n]{{0,40}}/|{_PART_OF_SPEECH}|\[[^\]]*\]|\(also [^)]*\)|\d{{1,2}}\.(?=\s))", re.IGNORECASE)
 _BRACKETS = re.compile(r"\s*\[[^\]]*\]")
 _FIRST_SENSE = re.compile(r"^1\.\s", re.MULTILINE)
 _NOT_DEFINITIONS = ("“", "‘", "Also ")  # usage examples and alias notes ("Also bit decay.")
