@@ -67,7 +67,7 @@ class LocalBackend:
         if not settings.use_cache:
             cache.drop_kv()
         steps = SegmentSteps(self, cache, settings, cancel, run, generator)
-        request = None
+        request, read = None, False
         try:
             keep = steps.next_pass()
             if keep is None:
@@ -77,14 +77,16 @@ class LocalBackend:
                 for delta in deltas:
                     if delta:
                         yield delta
+            read = True
             if request.error is not None:
                 steps.failed(request.error)
         finally:
-            if request is not None and not request.done.is_set():  # the stream was closed: the row ends after
-                steps.closed = True  # its pass in flight, which it drops (the cache stays this thread's after)
-                request.done.wait()
-                if request.error is not None:  # (it ended before that pass: Stop, or a failure)
-                    steps.abandoned(request.error)
+            if request is not None and not read:  # the stream was closed before the request's end was read
+                if not request.done.is_set():  # the row ends after its pass in flight, which it drops (the cache
+                    steps.closed = True  # stays this thread's after)
+                    request.done.wait()
+                if request.error is not None:  # (it ended before its next pass, whether before or after the
+                    steps.abandoned(request.error)  # close: Stop, or a failure)
             if not settings.use_cache:
                 cache.drop_kv()
 

@@ -188,6 +188,32 @@ def test_a_closed_stream_stopped_before_its_next_pass_keeps_no_unverified_drafts
     assert answer == [plan[step] for step in range(len(answer))]
 
 
+def test_a_stream_closed_after_its_request_was_stopped_keeps_no_unverified_drafts(tokenizer, monkeypatch):
+    """Regression (review): Stop ended the request, and the stream was closed before it read that end: the drafts
+    added for the pass that never ran stayed in the ids and the segment's text ("zebra quokka walrus nar" where the
+    model wrote "zebra quok")."""
+    from tests.conftest import _tiny, forced, plan_text, prime
+
+    question = "one two three four five six seven eight nine ten"
+    loaded = forced(_tiny("llama", tokenizer), plan_text(tokenizer, (0, " " + question + " " + question)))
+    engine = Engine(loaded, prompt="Answer.\n{tools}\n\n")
+    monkeypatch.setattr(scheduler_module, "GATHER_S", 0.5)  # the next step waits for the other row a while
+    session, cancel = prime(engine), threading.Event()
+    turn = engine.turn(session, question, Settings(max_new_tokens=40, draft_tokens=8), cancel)
+    with loaded.scheduler.turn():  # another visitor's turn, between two of its passes
+        for event in turn:
+            if isinstance(event, TextDelta) and len(session.cache) - session.cache.cached > 1:  # drafts added
+                cancel.set()
+                deadline = time.monotonic() + 10
+                while (loaded.scheduler._active or loaded.scheduler._waiting) and time.monotonic() < deadline:
+                    time.sleep(0.005)  # (the request ends, Cancelled, before its next pass ...)
+                turn.close()  # (... and only then is the stream closed)
+                break
+    segment = session.episodes[-1].segments[-1]
+    assert segment.stop.reason is StopReason.CANCELLED
+    assert segment.end - segment.start == segment.generated_tokens == len(session.cache) - segment.start
+
+
 def test_a_bad_model_threads_setting_fails_at_load_not_in_the_schedulers_thread(tiny_llama, monkeypatch):
     """Regression (review): MODEL_THREADS=two raised in the scheduler's thread, which ended, and every forward
     pass then waited forever (the app hung at its warm-up)."""
