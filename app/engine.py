@@ -165,15 +165,22 @@ class Engine:
         with session.lock, scope if scope is not None else self.backend.turn_scope():
             yield from self._turn(session, question, settings, cancel, row)
 
-    def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
-        cache = session.cache
+    def query_ids(self, session: Session, question: str, settings: Settings) -> list[int]:
+        """The tokens a turn adds for its (clean) question; InputError when they leave no room under max_length
+        (checked by a caller too, before it replaces a chat with a new session for this question)."""
         separator = "\n\n" if session.episodes else ""
         query_ids = self._encode(f"{separator}Q: {neutralize(question, self._specials)}\n")
-        if len(cache) + len(query_ids) >= settings.max_length:
-            raise InputError(
-                f"the context is full: {len(cache)} tokens so far + {len(query_ids)} for this message leave no "
-                f"room under max_length={settings.max_length}; start a new chat or raise max_length"
-            )
+        used = len(session.cache)
+        if used + len(query_ids) >= settings.max_length:
+            advice = ("start a new chat or raise max_length" if session.episodes else
+                      "shorten the system prompt or raise max_length")  # (a new chat would not help)
+            raise InputError(f"the context is full: {used} tokens so far + {len(query_ids)} for this message leave "
+                             f"no room under max_length={settings.max_length}; {advice}")
+        return query_ids
+
+    def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
+        cache = session.cache
+        query_ids = self.query_ids(session, question, settings)
         episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache, self.backend.name)
         cache.extend(query_ids)
         if settings.use_cache and cache.cached == 0:  # evicted: the shared prompt's part need not be recomputed

@@ -73,7 +73,7 @@ class ApiHandlers:
             engine, values, prompt = self._api_settings(settings)
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat
             entry = self.store.get(request.session_hash)
-            session = self.prepare(entry, engine, values, prompt)
+            session = self.prepare(entry, engine, values, prompt, message)
             text = ""
             cancel = entry.chat_stop.begin(None)
             reserve = self.kv_reserve(session, values.use_cache)

@@ -109,9 +109,12 @@ class ChatService(ApiHandlers):
             return backend.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ---- sessions -------------------------------------------------------------------------------------------
-    def prepare(self, entry: Entry, engine: Engine, settings: Settings, prompt: str | None = None) -> Session:
+    def prepare(self, entry: Entry, engine: Engine, settings: Settings, prompt: str | None = None,
+                message: str | None = None) -> Session:
         """The entry's session for this engine and prompt template (None: the default one): created when
-        missing; a different tool set or prompt starts a new chat, with a note."""
+        missing; a different tool set or prompt starts a new chat, with a note. A new session that cannot take
+        `message` (a prompt too long for max_length) raises before it replaces the chat: a rejected message
+        used to leave the visitor with the new, empty chat and the old one gone (found in Chromium)."""
         key = tuple(engine.tools)
         prompt = default_prompt_template() if prompt is None else prompt
         current = self.matching_session(entry, engine, prompt)
@@ -120,12 +123,16 @@ class ChatService(ApiHandlers):
         old = entry.session
         # the new session first: a prompt the engine rejects (e.g. too long) leaves the chat as it was
         session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
+        if message is not None:
+            engine.query_ids(session, message, settings)  # (room for the message, before the chat is replaced)
         if old is not None and old.episodes:
             if entry.engine_key != key:
                 listed = ", ".join(key) or "none"
                 entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
             else:
                 entry.notes = ["System prompt changed: started a new chat."]
+        else:
+            entry.notes = []  # (a note about a chat that has since been replaced unanswered is not this one's)
         entry.session, entry.engine_key, entry.prompt = session, key, prompt
         return session
 
@@ -217,8 +224,8 @@ class ChatService(ApiHandlers):
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
                                                    tools)
-            clean_question(message)  # before prepare: a rejected message must not start a new chat
-            session = self.prepare(entry, engine, settings, clean_prompt(prompt))
+            question = clean_question(message)  # before prepare: a rejected message must not start a new chat
+            session = self.prepare(entry, engine, settings, clean_prompt(prompt), question)
             partial: str | None = None
             reserve = self.kv_reserve(session, settings.use_cache)  # (it waits while running jobs fill the budget)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):

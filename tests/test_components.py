@@ -577,6 +577,24 @@ def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tin
     assert order[0] == "done · 1 more message to answer" and order[-1] == "stopped: the message was not sent"
 
 
+def test_a_message_a_new_chat_has_no_room_for_leaves_the_chat_as_it_was(tiny_llama):
+    """Regression (Chromium): with Search unchecked and max_length just above the shorter prompt, "What is 2 + 2?"
+    was rejected ("the context is full"), but the chat had already been replaced by the new, empty one."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    turn(service, "What is 41 * 23?", max_new_tokens=3)
+    entry = service.store.peek("page-1")
+    kept = entry.session
+    prompt_only = len(service.engine_for(["Calculator"]).new_session().cache)
+    chat, box, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_length=prompt_only + 3)[-1]
+    assert status.startswith("error: the context is full") and status.endswith("shorten the system prompt or raise "
+                                                                               "max_length")
+    assert box == "What is 2 + 2?" and entry.session is kept and not entry.notes
+    assert "41" in chat[0]["content"]  # the chat is still there (its question, markdown-escaped)
+    chat, _, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_new_tokens=3)[-1]
+    assert status == "done" and entry.notes == [
+        "Tools changed (now: Calculator), so the system prompt changed: started a new chat."]
+
+
 def test_a_visitor_with_three_messages_unanswered_keeps_the_next_in_the_box(tiny_llama):
     """Regression (review): every message sent while the visitor's turn ran took one of the model's shared places
     and held it while it waited for that turn: one visitor pressing Send 32 times held them all, and every other
