@@ -87,7 +87,10 @@ def _ask(args) -> int:
 
     engine = Engine(load_backend(), tools=tools, prompt=prompt)
     settings.validated(engine.context_limit)
+    failed = 0
     for event in in_row_order(engine.stream_batch(args.questions, settings)):  # the rows run at once
+        if isinstance(event, EpisodeFinished) and event.episode.error is not None:
+            failed += 1  # (the model or its server failed mid-answer: the exit status says so, as the text does)
         if args.json:
             if isinstance(event, EpisodeFinished):
                 print(json.dumps(event.episode.to_json(), ensure_ascii=False), flush=True)
@@ -97,7 +100,7 @@ def _ask(args) -> int:
             print(_describe(event.segment), flush=True)
         elif isinstance(event, EpisodeFinished):
             print(_summary(event.episode), flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 def _describe(segment) -> str:
@@ -109,6 +112,7 @@ def _describe(segment) -> str:
 
 def _summary(episode: Episode) -> str:
     note = f"  [{Episode.UNRUN_NOTE}]\n" if episode.unrun_call else ""
+    note += f"\n  [error: {episode.error}]\n" if episode.error is not None else ""  # (after the text streamed)
     return (f"{note}answer: {episode.answer}\n  [{episode.total_tokens} tokens in session · prefilled "
             f"{count_text(episode.prefill_tokens)}, reused {count_text(episode.reused_tokens)} · {episode.ms:.0f} ms · "
             f"{episode.backend}]\n")

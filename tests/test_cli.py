@@ -124,3 +124,23 @@ def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
     first = result["segments"][0]
     assert first["cached_tokens"] == len(encode(tokenizer, rendered))  # exactly this prompt was prefilled
     assert first["text"].startswith("<request><Calculator>")
+
+
+def test_ask_says_when_the_model_fails_and_exits_non_zero(tiny_llama, monkeypatch, capsys):
+    """Regression (review): a model failure mid-answer printed the partial answer and exited 0; the text never
+    said what failed (the JSON had it)."""
+    import dataclasses
+    import threading
+
+    import app.backend
+    from app.cli import main
+    from app.local_backend import LocalBackend
+    from tests.test_stops import Exploding
+
+    model = Exploding(tiny_llama.model, fail_at=3)  # (1: the prompt's prefill, 2: the question, 3: the next token)
+    loaded = dataclasses.replace(tiny_llama, model=model, lock=threading.RLock())
+    monkeypatch.setattr(app.backend, "load_backend", lambda: LocalBackend(loaded))
+    assert main(["ask", "What is 2+2?"]) == 1
+    assert "\n  [error: out of memory (simulated)]\n" in capsys.readouterr().out
+    model.fail_at, model.calls = 10**9, 0
+    assert main(["ask", "What is 2+2?", "--max-new-tokens", "2"]) == 0
