@@ -185,3 +185,18 @@ def test_imports_only_the_standard_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "42"
+
+
+@pytest.mark.parametrize("expression, expected", [
+    ("ln(1/10**400)", "-921.034037198"),  # regression: "cannot compute this (math domain error)"
+    ("log(1/8, 1/2)", "3"),
+    ("sqrt(2/10**1000)", "error: number too small for a decimal result"),  # regressions: both printed 0
+    ("(10**-700)**0.5", "error: number too small for a decimal result"),
+    ("10**-700", "1e-700"), ("0*0.5", "0"),
+])
+def test_tiny_exact_numbers_are_computed_or_a_clear_error_never_a_silent_zero(expression, expected):
+    try:
+        got = calculate(expression)
+    except ToolError as error:
+        got = f"error: {error}"
+    assert got == expected

@@ -66,6 +66,8 @@ def _to_float(value: Number) -> float:
         raise ToolError("number too large for a decimal result") from None
     if not math.isfinite(result):
         raise ToolError("number too large for a decimal result")
+    if result == 0 and value != 0:  # (underflow: "sqrt(2/10**1000)" printed 0)
+        raise ToolError("number too small for a decimal result")
     return result
 
 
@@ -103,12 +105,20 @@ def _sqrt(x: Number) -> Number:
 def _log(x: Number, base: Number | None = None) -> float:
     if x <= 0:
         raise ToolError("log is only defined for positive numbers")
-    value = math.log(x) if isinstance(x, int) else math.log(_to_float(x))
+    value = _ln(x)
     if base is None:
         return value
     if base <= 0 or base == 1:
         raise ToolError("log base must be positive and not 1")
-    return value / (math.log(base) if isinstance(base, int) else math.log(_to_float(base)))
+    return value / _ln(base)
+
+
+def _ln(x: Number) -> float:
+    """math.log of a positive number, exact ones whatever their size (a fraction's parts: ln(1/10**400) is -921,
+    not the log of its float, 0)."""
+    if isinstance(x, Fraction):
+        return math.log(x.numerator) - math.log(x.denominator)
+    return math.log(x) if isinstance(x, int) else math.log(_to_float(x))
 
 
 def _exp(x: Number) -> float:
