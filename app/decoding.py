@@ -70,6 +70,12 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def copy(self) -> "Detokenizer":
+        """One that goes on from here on its own (what drafts would read as: LocalBackend._choose)."""
+        other = Detokenizer(self._tokenizer)
+        other._ids, other._prefix, other._read = self._ids[self._prefix:], 0, self._read - self._prefix
+        return other
+
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
         done = self._decode(self._ids[self._prefix:self._read])

@@ -91,18 +91,25 @@ class LocalBackend:
                 cache.drop_kv()
 
     def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
-                line: AnswerLine) -> list[int]:
+                line: AnswerLine, detok: Detokenizer | None = None) -> list[int]:
         """The new tokens: the drafts the model agrees with, then the model's own next token, each chosen from the
-        logits as the answer line's grammar masks them (app.answer_line), so drafts never change what is chosen."""
+        logits as the answer line's grammar masks them (app.answer_line), so drafts never change what is chosen.
+        The line reads each accepted draft as the segment's text will (`detok`'s deltas: "" while a character is
+        incomplete): read as the token's own text (U+FFFD for a lone UTF-8 byte), a token verified as a draft
+        could differ from the one chosen alone, and drafts come and go with the number of chats running."""
         grammar = self.loaded.answer_grammar
         if not drafts:
             return [next_token(grammar.mask(logits[-1], line), settings.temperature, settings.top_p, generator)]
-        ahead, tokens = line.copy(), []
+        ahead, text, tokens = line.copy(), None if detok is None else detok.copy(), []
         for i in range(len(drafts) + 1):
             tokens.append(greedy(grammar.mask(logits[i], ahead)))
             if i == len(drafts) or tokens[-1] != drafts[i]:
                 break
-            ahead.push(grammar.text(tokens[-1]))
+            if text is None:
+                ahead.push(grammar.text(tokens[-1]))
+            else:
+                with self.lock:  # (the tokenizer)
+                    ahead.push(text.push(tokens[-1]))
         return tokens
 
 
@@ -162,7 +169,7 @@ class SegmentSteps:
         try:
             if run.generated_tokens == 0:
                 run.prefill_tokens, run.cached_tokens = fed - len(drafts), hit  # (drafts are not prompt)
-            tokens = self.backend._choose(logits, drafts, settings, self.generator, self.line)
+            tokens = self.backend._choose(logits, drafts, settings, self.generator, self.line, self.detok)
             if drafts:
                 full = len(tokens) > len(drafts)
                 self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)

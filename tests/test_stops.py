@@ -599,3 +599,33 @@ def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenize
 
     ids = tokenizer("Q: What is it?\n" + tail, add_special_tokens=False)["input_ids"]
     assert AnswerGrammar(tokenizer).calculated(ids) == number
+
+
+def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_llama, tokenizer):
+    """Regression (review): the answer line read an accepted draft as its own text, U+FFFD for the first byte of
+    "✓", while a token chosen alone feeds it the segment's delta ("" until the character is whole): with the same
+    logits the draft path ended the line ("Result = �<") where one token at a time wrote "Result = ✓"."""
+    from app.answer_line import AnswerLine
+    from app.decoding import Detokenizer
+    from app.local_backend import LocalBackend
+
+    backend = LocalBackend(tiny_llama)
+    first, second = encode(tokenizer, "✓")  # two byte tokens
+    newline, lt = encode(tokenizer, "\n")[0], encode(tokenizer, "<")[0]
+    logits = torch.full((2, len(tokenizer)), -20.0)
+    logits[0, first] = 5.0
+    logits[1, newline], logits[1, second], logits[1, lt] = 10.0, 9.5, 9.4
+
+    def fresh():
+        line, detok = AnswerLine(), Detokenizer(tokenizer)
+        for token in encode(tokenizer, "Result = "):
+            line.push(detok.push(token))
+        return line, detok
+
+    line, detok = fresh()
+    drafted = backend._choose(logits, [first], Settings(draft_tokens=4), None, line, detok)
+    line, detok = fresh()
+    alone = backend._choose(logits[:1], [], Settings(), None, line, detok)
+    line.push(detok.push(alone[0]))
+    alone += backend._choose(logits[1:], [], Settings(), None, line, detok)
+    assert drafted == alone == [first, second]
