@@ -269,12 +269,13 @@ class Engine:
         if call_segment.stop.string == RESPONSE:  # the model wrote <response> where <call> belongs (now cut):
             text = CALL + text  # the request is closed by the engine, in this inserted (not generated) text
         cache = session.cache
-        ids = self._encode(text + RESPONSE)
-        ids = ids[: max(0, settings.max_length - len(cache))]  # never past the session's budget
+        whole = self._encode(text + RESPONSE)
+        ids = whole[: max(0, settings.max_length - len(cache))]  # never past the session's budget
         start = len(cache)
         cache.extend(ids)
         inserted = self._decode(ids)
-        segment = Segment("tool", inserted, start, len(cache), tool=name, query=query, ok=ok,
+        cut = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH) if len(ids) < len(whole) else None  # (shown)
+        segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok,
                           ms=(time.perf_counter() - began) * 1000)
         episode.segments.append(segment)
         yield SegmentFinished(row, segment)

@@ -20,7 +20,7 @@ class Segment:
     text: str
     start: int
     end: int
-    stop: Stop | None = None  # model segments only
+    stop: Stop | None = None  # why a model segment stopped; a tool segment's: max_length where its output was cut
     tool: str | None = None  # tool segments only
     query: str | None = None
     ok: bool = True

@@ -156,3 +156,26 @@ def test_markers_and_special_tokens_in_a_question_are_neutralized(tiny_llama, to
     assert not set(query) & set(tokenizer.all_special_ids)
     text = tokenizer.decode(query)
     assert "<call>" not in text and "<submit>" not in text and "‹call›" in text
+
+
+def test_a_tool_output_cut_by_max_length_says_so(tiny_llama, tokenizer):
+    """Regression (Chromium): a Search result cut at max_length showed "ok" and the cut text, with no sign of the
+    cut (its `<response>` missing)."""
+    from app.decoding import Limit, StopReason
+    from app.engine import Engine, Settings
+    from components.chat import tool_message
+    from tests.conftest import forced, plan_text, prime
+
+    call = "<request><Calculator>41*23<call>"
+    engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, call))), prompt="Answer.\n{tools}\n\n")
+    base = len(prime(engine).cache)
+    for room in range(base + 14, base + 80):  # the first max_length the call fits under: its output is cut
+        episode = engine.ask(prime(engine), "What is 41 * 23?", Settings(max_new_tokens=20, max_length=room))
+        if any(s.kind == "tool" for s in episode.segments):
+            break
+    tool = next(s for s in episode.segments if s.kind == "tool")
+    assert tool.ok and "<response>" not in tool.text
+    assert tool.stop.reason is StopReason.MAX_LENGTH and tool.stop.limit is Limit.MAX_LENGTH
+    assert tool_message(tool)["metadata"]["log"] == "ok · cut: max_length (session max_length)"
+    whole = engine.ask(prime(engine), "What is 41 * 23?", Settings(max_new_tokens=20))
+    assert next(s for s in whole.segments if s.kind == "tool").stop is None  # (not cut: no stop)
