@@ -91,7 +91,9 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     max_turns = gr.Number(DEFAULTS.max_turns, label="max_turns (tool calls per answer)",
                                           elem_id="max-turns", step=1)
                     temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05,
-                                            label="temperature (0 = greedy)", elem_id="temperature")
+                                            label="temperature (0 = greedy; sampling starts from seed 0 in every "
+                                                  "new chat, so it repeats)",
+                                            elem_id="temperature")
                     names = tool_names()
                     tools = gr.CheckboxGroup(names, value=names, label="Tools", elem_id="tools")
                     prompt = gr.Textbox(default_prompt_template(), elem_id="system-prompt", lines=3, max_lines=8,
