@@ -44,6 +44,8 @@ def parse_batch(text: str | None, limit: int = MAX_BATCH) -> list[Item]:
         if not line.strip():
             continue
         question, bar, expected = line.rpartition("|") if "|" in line else (line, "", None)
+        if bar and expected.strip().endswith("?"):  # "What is 6 | 3?": a question with a `|` in it, no answer
+            question, bar, expected = line, "", None
         question = question.strip()
         if not question:
             raise InputError(f"line {number}: the question is empty")

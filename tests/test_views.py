@@ -95,6 +95,8 @@ def test_parse_batch_lines_expected_answers_and_limits():
     items = parse_batch("What is 2+2? | 4\n\n  Hello  \nWhat is a|b? | x\n")
     assert items == [Item("What is 2+2?", "4"), Item("Hello", None), Item("What is a|b?", "x")]
     assert parse_batch(format_items(builtin_questions()))[0] == Item(*builtin_questions()[0])
+    # Regression (Chromium): "What is 6 | 3?" ran as the question "What is 6" expecting "3?"
+    assert parse_batch("What is 6 | 3?\nWhat is 6 | 3? | 7") == [Item("What is 6 | 3?"), Item("What is 6 | 3?", "7")]
     for text, message in [("", "no questions"), ("  \n ", "no questions"), ("| 4", "line 1: the question is empty"),
                           ("ok\nq |  ", "line 2: the expected answer after | is empty"),
                           ("x" * (MAX_QUESTION_CHARS + 1), "too long"),
