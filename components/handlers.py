@@ -352,12 +352,16 @@ class ChatService(ApiHandlers):
               request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
         """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
         cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
-        yield empty_frame(), "", "running"
-        try:
+        try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
                                                    tools)
             prompt = clean_prompt(prompt)
+        except Exception as error:  # handler boundary
+            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
+            return
+        yield empty_frame(), "", "running"
+        try:
             questions = [item.question for item in items]
             runs: list[BatchRun] = []
             for cached in (True, False):
