@@ -241,35 +241,43 @@ class AnswerGrammar:
         tag = "" if state is None else "<" + state
         banned = self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
         written, number = line.number_due, line.number
-        if written is None or state is not None:
-            return banned
-        key = ("number", number, written)
+        if written is None or state is not None or (written.strip() and written != number):
+            return banned  # (a number begun and not yet whole: allowed(), not a ban)
+        key = ("number", number, written)  # before the number, those that begin another; after it, go on with it
         if key not in self._banned:
             import torch
 
-            if len(self._banned) > 4096:  # (a number's states: a few per answer)
-                for old in [k for k in self._banned if k[0] == "number"]:
-                    del self._banned[old]
-            self._banned[key] = torch.cat([banned, self._number_ban(written, number)])  # (repeats do no harm)
+            self._forget_numbers()
+            barred = [i for i in self._numeric if not number_allows(written, number, self._texts[i])]
+            self._banned[key] = torch.cat([banned, torch.tensor(barred, dtype=torch.long)])  # (repeats do no harm)
         return self._banned[key]
 
-    def _number_ban(self, written: str, number: str) -> torch.Tensor:
-        """The tokens number_allows bars after `written`, found among the few that could be allowed or barred:
-        before the number, the tokens that begin one; once begun, all but those that go on with it."""
-        import torch
+    def allowed(self, line: AnswerLine) -> torch.Tensor | None:
+        """Once the answer line has begun the Calculator's number, the only tokens it may take (those that go on
+        with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary (which
+        cost 20 chats at once ~1 s a turn)."""
+        written, number = line.number_due, line.number
+        if written is None or not written.strip() or written == number or line.open_tag is not None:
+            return None
+        key = ("allowed", number, written)
+        if key not in self._banned:
+            import torch
 
-        if not written.strip():
-            return torch.tensor([i for i in self._numeric if not number_allows(written, number, self._texts[i])],
-                                dtype=torch.long)
-        rest = number[len(written):]
-        allowed = [i for k in range(1, len(rest) + 1) for i in self._by_text.get(rest[:k], ())]
-        first = bisect.bisect_left(self._sorted, (rest, -1))
-        for text, i in itertools.takewhile(lambda item: item[0].startswith(rest), self._sorted[first:]):
-            if number_allows(written, number, text):
-                allowed.append(i)
-        barred = torch.ones(len(self._texts), dtype=torch.bool)
-        barred[allowed] = False
-        return barred.nonzero().flatten()
+            self._forget_numbers()
+            rest = number[len(written):]
+            allowed = [i for k in range(1, len(rest) + 1) for i in self._by_text.get(rest[:k], ())]
+            first = bisect.bisect_left(self._sorted, (rest, -1))
+            for text, i in itertools.takewhile(lambda item: item[0].startswith(rest), self._sorted[first:]):
+                if number_allows(written, number, text):
+                    allowed.append(i)
+            self._banned[key] = torch.tensor(sorted(set(allowed)), dtype=torch.long)
+        return self._banned[key]
+
+    def _forget_numbers(self) -> None:
+        """Bound the cache: each Calculator result adds a few states (a few hundred results at most are kept)."""
+        if len(self._banned) > 2048:
+            for old in [k for k in self._banned if k[0] in ("number", "allowed")]:
+                del self._banned[old]
 
     def _ban(self, key: tuple, bans) -> torch.Tensor:
         if key not in self._banned:
@@ -286,6 +294,7 @@ class AnswerGrammar:
         banned = self.banned(line)
         if banned is None:
             return logits
+        allowed = self.allowed(line)
         out = logits.clone()
         if line.can_end:
             import torch
@@ -295,4 +304,8 @@ class AnswerGrammar:
                 out[self._close], ending = torch.logaddexp(out[self._close], ending), float("-inf")
             out[self._lt] = ending
         out[banned] = float("-inf")
+        if allowed is not None:  # (after the bans: a token both allows and bans stays banned)
+            kept = out[allowed]
+            out.fill_(float("-inf"))
+            out[allowed] = kept
         return out
