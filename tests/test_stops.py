@@ -629,3 +629,20 @@ def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_
     line.push(detok.push(alone[0]))
     alone += backend._choose(logits[1:], [], Settings(), None, line, detok)
     assert drafted == alone == [first, second]
+
+
+def test_the_calculators_number_is_kept_by_a_few_allowed_ids_not_a_ban_of_the_vocabulary(tokenizer):
+    """Regression (load test, 20 chats: ~1 s a turn): once the number was begun, every token banned ~49,000 ids."""
+    from app.answer_line import AnswerGrammar, AnswerLine
+
+    grammar, line = AnswerGrammar(tokenizer), AnswerLine(after_tool=True, number="-24")
+    for piece in ["\n", "Result", " =", " -", "2", "4", "<"]:
+        banned, allowed = grammar.banned(line), grammar.allowed(line)
+        assert banned is None or len(banned) < 1000 or line.head is not None  # (the line after a tool: opening)
+        assert (allowed is not None) == (line.number_due in (" -", " -2"))  # begun, not yet whole
+        assert allowed is None or len(allowed) < 10
+        logits = grammar.mask(torch.zeros(len(tokenizer)), line)
+        if allowed is not None:
+            assert [tokenizer.decode([i]) for i in (logits > float("-inf")).nonzero().flatten()] == [
+                " -24"[len(line.number_due)]]
+        line.push(piece)
