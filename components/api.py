@@ -44,7 +44,10 @@ class ApiHandlers:
         return engine, values.validated(engine.context_limit), prompt
 
     def api_ask(self, question: str, settings: dict | None = None) -> dict:
-        """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON)."""
+        """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON).
+        `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
+        temperature, top_p, use_cache, seed, draft_tokens, tools (a list of names) and prompt (a template with
+        {tools})."""
         try:
             engine, values, prompt = self._api_settings(settings)
             session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
@@ -54,8 +57,8 @@ class ApiHandlers:
             raise api_error(error, "/ask") from None
 
     def api_stats(self) -> dict:
-        """The server's load, for monitoring (the load test polls it): sessions, their KV against the budget,
-        and how many rows the in-process scheduler batches into a step."""
+        """The server's load, for monitoring: sessions, their KV against the budget, and how many rows the
+        in-process scheduler batches into a step."""
         store = self.store.stats(self.shared_kv_bytes())
         backend = self._backend
         out = {"sessions": store.sessions, "kv_mb": round(store.kv_bytes / MB, 2),
@@ -68,7 +71,10 @@ class ApiHandlers:
         return out
 
     def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
-        """Continue this API client's chat (one per client session); yields the growing text of the turn."""
+        """Continue this API client's chat (one per client session); yields the growing text of the turn.
+        `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
+        temperature, top_p, use_cache, seed, draft_tokens, tools (a list of names) and prompt (a template with
+        {tools}). A change of tools or prompt starts a new chat."""
         try:
             engine, values, prompt = self._api_settings(settings)
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat
