@@ -48,11 +48,11 @@ _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
 # The Calculator's call and its output (app.tools.numbers.format_number: 943, -24, 0.3, 1.5e20) at the end of the ids
 _CALCULATED = re.compile(re.escape(REQUEST) + r"<Calculator>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
                          + re.escape(RESPONSE) + r"\Z")
-_NUMBER_START = "0123456789-+."
+_NUMBER_START = frozenset("0123456789-+.")
 
 
 def _writes_a_number(text: str) -> bool:
-    return text.lstrip()[:1] in tuple(_NUMBER_START)
+    return text.lstrip()[:1] in _NUMBER_START
 
 
 def _goes_on_a_number(rest: str) -> bool:
@@ -139,7 +139,7 @@ class AnswerLine:
         if self._number is None or not self.on_answer:
             return None
         written = self._line.lstrip()[len(self._prefix):]
-        if self._number.startswith(written) or (written.startswith(self._number) and written == self._number):
+        if self._number.startswith(written):  # (not begun, begun, or whole)
             return written
         return None if written.strip() else written
 
@@ -204,11 +204,8 @@ class AnswerGrammar:
         self._newlines = [i for i, text in enumerate(self._texts) if "\n" in text and not text.strip()]
         self._lt = self._texts.index(SUBMIT[0])  # the `<` that opens `<submit>`
         self._close = self._texts.index(")")
-        # for the Calculator's number (number_allows): the tokens that begin a number, each text's ids, all sorted
+        # for the Calculator's number (number_allows): the tokens that begin a number; all (text, id), sorted
         self._numeric = [i for i, text in enumerate(self._texts) if _writes_a_number(text)]
-        self._by_text: dict[str, list[int]] = {}
-        for i, text in enumerate(self._texts):
-            self._by_text.setdefault(text, []).append(i)
         self._sorted = sorted((text, i) for i, text in enumerate(self._texts))
         # (rule, its state) -> the ids it bans; a handful of states, each computed once
         self._banned: dict[tuple, torch.Tensor] = {}
@@ -265,13 +262,15 @@ class AnswerGrammar:
 
             self._forget_numbers()
             rest = number[len(written):]
-            allowed = [i for k in range(1, len(rest) + 1) for i in self._by_text.get(rest[:k], ())]
-            first = bisect.bisect_left(self._sorted, (rest, -1))
-            for text, i in itertools.takewhile(lambda item: item[0].startswith(rest), self._sorted[first:]):
-                if number_allows(written, number, text):
-                    allowed.append(i)
-            self._banned[key] = torch.tensor(sorted(set(allowed)), dtype=torch.long)
+            allowed = [i for k in range(1, len(rest)) for i in self._starting(rest[:k]) if self._texts[i] == rest[:k]]
+            allowed += [i for i in self._starting(rest) if number_allows(written, number, self._texts[i])]
+            self._banned[key] = torch.tensor(sorted(allowed), dtype=torch.long)
         return self._banned[key]
+
+    def _starting(self, prefix: str) -> list[int]:
+        """The ids of the tokens whose text starts with `prefix` (from the sorted texts)."""
+        first = bisect.bisect_left(self._sorted, (prefix, -1))
+        return [i for _, i in itertools.takewhile(lambda item: item[0].startswith(prefix), self._sorted[first:])]
 
     def _forget_numbers(self) -> None:
         """Bound the cache: each Calculator result adds a few states (a few hundred results at most are kept)."""

@@ -91,7 +91,7 @@ class LocalBackend:
                 cache.drop_kv()
 
     def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
-                line: AnswerLine, detok: Detokenizer | None = None) -> list[int]:
+                line: AnswerLine, detok: Detokenizer) -> list[int]:
         """The new tokens: the drafts the model agrees with, then the model's own next token, each chosen from the
         logits as the answer line's grammar masks them (app.answer_line), so drafts never change what is chosen.
         The line reads each accepted draft as the segment's text will (`detok`'s deltas: "" while a character is
@@ -100,16 +100,13 @@ class LocalBackend:
         grammar = self.loaded.answer_grammar
         if not drafts:
             return [next_token(grammar.mask(logits[-1], line), settings.temperature, settings.top_p, generator)]
-        ahead, text, tokens = line.copy(), None if detok is None else detok.copy(), []
+        ahead, text, tokens = line.copy(), detok.copy(), []
         for i in range(len(drafts) + 1):
             tokens.append(greedy(grammar.mask(logits[i], ahead)))
             if i == len(drafts) or tokens[-1] != drafts[i]:
                 break
-            if text is None:
-                ahead.push(grammar.text(tokens[-1]))
-            else:
-                with self.lock:  # (the tokenizer)
-                    ahead.push(text.push(tokens[-1]))
+            with self.lock:  # (the tokenizer)
+                ahead.push(text.push(tokens[-1]))
         return tokens
 
 

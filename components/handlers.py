@@ -40,13 +40,14 @@ log = logging.getLogger(__name__)
 MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the running one too): more stay in the box
 
 
-def done_status(unanswered: int, comparing: int = 0) -> str:
+def done_status(unanswered: int, comparing: int = 0, stopped: bool = False) -> str:
     """A turn's or a Compare's final status, on the status line they share. Regressions: a plain "done" landed
     after the visitor's next message had been sent (waiting, or already started: the final update can arrive
     after the next turn's first), and a turn's "done" while a Compare still ran; the page said done while work
     of theirs still ran."""
     parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
-    return " · ".join(["done", *parts, *["compare still running"] * bool(comparing)])
+    done = "done (stopped by user)" if stopped else "done"
+    return " · ".join([done, *parts, *["compare still running"] * bool(comparing)])
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:
@@ -336,9 +337,7 @@ class ChatService(ApiHandlers):
                 result = compare(engine, session, question, settings, cancel=cancel,  # (off needs more than on)
                                  turns=turns)
             entry.comparing.discard(mine)
-            status = done_status(len(entry.unanswered), len(entry.comparing))
-            yield compare_markdown(result), status.replace("done", "done (stopped by user)", 1) if result.stopped \
-                else status
+            yield compare_markdown(result), done_status(len(entry.unanswered), len(entry.comparing), result.stopped)
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
         finally:

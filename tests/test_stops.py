@@ -148,9 +148,11 @@ def choose(loaded, tokenizer, line: str, drafted: list[str], best: str,
     for i, token in enumerate(wanted):
         logits[i, token] = 10.0
         logits[i, ids[second]] = 5.0
+    from app.decoding import Detokenizer
+
     state = AnswerLine()
     state.push(line)
-    return LocalBackend(loaded)._choose(logits, drafts, Settings(), None, state), wanted, ids
+    return LocalBackend(loaded)._choose(logits, drafts, Settings(), None, state, Detokenizer(tokenizer)), wanted, ids
 
 
 @pytest.mark.parametrize("line, drafted, expected", [
