@@ -21,9 +21,10 @@ at most one newline): a small model sometimes wrote the next example's "\nQ:" ri
 ("Can you help me?" searched "help"; "Explain the term snippage." got its entry, then wrote nothing), which
 ended the turn with no answer at all, shown as "(no text)".
 
-After the Calculator's output, a number the answer line writes is that output: the model dropped the sign of a
-negative result ("5 - 29": the tool said -24, the answer read "Result = 24"; 2 of 3 negative results) and once
-wrote 100 for "4,096 / 64" where the tool said 64. Words before the number, or after it, stay free.
+After the Calculator's output the answer line begins with that output, as every example in the prompt answers:
+the model dropped the sign of a negative result ("5 - 29": the tool said -24, the answer read "Result = 24"; 2 of
+3 negative results), once wrote 100 for "4,096 / 64" where the tool said 64, and where only a number it began was
+held to the output, wrote "Result = (-150)" or "Result =  –15" (an en dash). Words after the number stay free.
 
 This is a constraint on the next token, like a grammar in serving engines: deterministic, applied in the same
 way with the cache on or off and to verified drafts, so greedy output stays a pure function of the token ids.
@@ -45,8 +46,9 @@ _TAG = re.compile(r"<([A-Za-z]*)")
 _OPEN_TAG = re.compile(r"<([A-Za-z]*)$")
 _GLUED = re.compile(r"\S<[A-Za-z]*$")  # a `<` right after the answer's text: it ends the line (not "3 < 5")
 _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
-# The Calculator's call and its output (app.tools.numbers.format_number: 943, -24, 0.3, 1.5e20) at the end of the ids
-_CALCULATED = re.compile(re.escape(REQUEST) + r"<Calculator>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
+# A call and its output, a number alone (the Calculator's: app.tools.numbers.format_number: 943, -24, 0.3, 1.5e20;
+# also a sum Search passed on to it, see app.tools.registry.Misrouted), at the end of the ids
+_CALCULATED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
                          + re.escape(RESPONSE) + r"\Z")
 _NUMBER_START = frozenset("0123456789-+.")
 
@@ -62,13 +64,11 @@ def _goes_on_a_number(rest: str) -> bool:
 
 def number_allows(written: str, number: str, text: str) -> bool:
     """Whether the answer line, with `written` after its `Result =`, may take `text` next when the Calculator gave
-    `number` (" " + its output): the number, whole, or text that is not a number."""
+    `number` (" " + its output): the line begins with the number, whole; after it, anything but more of a number."""
     after = written + text
     if number.startswith(after):
         return True
-    if after.startswith(number):
-        return not _goes_on_a_number(after[len(number):])
-    return not written.strip() and not _writes_a_number(after)  # (once begun, the number is the one given)
+    return after.startswith(number) and not _goes_on_a_number(after[len(number):])
 
 
 def breaks_the_line(text: str) -> bool:
@@ -139,9 +139,7 @@ class AnswerLine:
         if self._number is None or not self.on_answer:
             return None
         written = self._line.lstrip()[len(self._prefix):]
-        if self._number.startswith(written):  # (not begun, begun, or whole)
-            return written
-        return None if written.strip() else written
+        return written if self._number.startswith(written) else None  # (not begun, begun, or whole)
 
     @property
     def number(self) -> str | None:
@@ -238,9 +236,9 @@ class AnswerGrammar:
         tag = "" if state is None else "<" + state
         banned = self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
         written, number = line.number_due, line.number
-        if written is None or state is not None or (written.strip() and written != number):
-            return banned  # (a number begun and not yet whole: allowed(), not a ban)
-        key = ("number", number, written)  # before the number, those that begin another; after it, go on with it
+        if number is None or written != number or state is not None:
+            return banned  # (the number not yet whole: allowed(), not a ban)
+        key = ("number", number, written)  # right after the number: those that go on with it
         if key not in self._banned:
             import torch
 
@@ -250,11 +248,11 @@ class AnswerGrammar:
         return self._banned[key]
 
     def allowed(self, line: AnswerLine) -> torch.Tensor | None:
-        """Once the answer line has begun the Calculator's number, the only tokens it may take (those that go on
-        with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary (which
-        cost 20 chats at once ~1 s a turn)."""
+        """Until the answer line has written the Calculator's number whole, the only tokens it may take (those that
+        go on with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary
+        (which cost 20 chats at once ~1 s a turn)."""
         written, number = line.number_due, line.number
-        if written is None or not written.strip() or written == number or line.open_tag is not None:
+        if written is None or written == number or line.open_tag is not None:
             return None
         key = ("allowed", number, written)
         if key not in self._banned:

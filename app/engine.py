@@ -260,9 +260,9 @@ class Engine:
             call = parse_tool_call(call_segment.text)
             name, query = call.name, call.query
             result = run_tool(self.tools, name, query)
-            text, ok = result.text, result.ok
+            text, ok, ran = result.text, result.ok, result.ran
         except ToolCallError as error:
-            name, query, text, ok = None, None, f"error: {error}", False
+            name, query, text, ok, ran = None, None, f"error: {error}", False, None
         text = neutralize(text, self._specials)
         if len(text) > settings.max_tool_response:
             text = text[: settings.max_tool_response - 1] + "…"
@@ -275,7 +275,7 @@ class Engine:
         cache.extend(ids)
         inserted = self._decode(ids)
         cut = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH) if len(ids) < len(whole) else None  # (shown)
-        segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok,
+        segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok, ran=ran,
                           ms=(time.perf_counter() - began) * 1000)
         episode.segments.append(segment)
         yield SegmentFinished(row, segment)

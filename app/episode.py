@@ -21,13 +21,19 @@ class Segment:
     start: int
     end: int
     stop: Stop | None = None  # why a model segment stopped; a tool segment's: max_length where its output was cut
-    tool: str | None = None  # tool segments only
+    tool: str | None = None  # tool segments only: the tool the model called
     query: str | None = None
+    ran: str | None = None  # the tool that answered, where the one called passed the query on (registry.Misrouted)
     ok: bool = True
     prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
     cached_tokens: int | None = 0  # tokens whose keys/values came from the cache (None: a server did not say)
     generated_tokens: int = 0
     ms: float = 0.0
+
+    @property
+    def tools_named(self) -> str | None:
+        """The tool called, and the one that answered where it passed the query on ("Search → Calculator")."""
+        return self.tool if self.ran is None else f"{self.tool} → {self.ran}"
 
     def to_json(self) -> dict:
         stop = self.stop
@@ -38,6 +44,7 @@ class Segment:
             "stop_string": stop.string if stop else None,
             "limit": stop.limit.value if stop and stop.limit else None,
             "tool": self.tool,
+            "ran": self.ran,
             "prefill_tokens": self.prefill_tokens,
             "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,

@@ -3,7 +3,7 @@
     python3 benchmarks/answer_quality.py               # the table (about 3-5 min on 2 cores)
     python3 benchmarks/answer_quality.py --episodes    # ... and every episode as the model wrote it
     python3 benchmarks/answer_quality.py --set dev     # the tuning set instead of the reported one
-    python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only), 72 sums
+    python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only), 88 sums
     python3 benchmarks/answer_quality.py --weights float32 int8   # both formats, and every answer that differs
 
 Each question runs greedy in a fresh session (the page's first turn); then the built-in Batch questions
@@ -107,7 +107,7 @@ ARITHMETIC = {"test": [
     ("What is 30% of 90?", "27"), ("What is 88 - 19?", "69"), ("What is 1.5 * 6?", "9"), ("What is 11 * 11?", "121"),
     ("What is 7,200 / 80?", "90"),
 ]}
-# 72 more tuning sums, none a test or dev sum: 48 written by a seeded generator before any run, and 24 more
+# 88 more tuning sums, none a test or dev sum: 48 written by a seeded generator before any run, and 40 more
 ARITHMETIC["wide"] = [
     ("What is 9 to the power of 2?", "81"), ("What is 12 * 211?", "2532"),
     ("What is the square root of 676?", "26"), ("What is 8,652 + 9,181?", "17833"),
@@ -137,6 +137,13 @@ ARITHMETIC["wide"] = [
     ("What is 300 / 3?", "100"), ("What is 8,100 / 90?", "90"), ("What is 1,600 / 40?", "40"),
     ("What is 200 / 2?", "100"), ("What is 5 * 20?", "100"), ("What is 20 * 5?", "100"),
     ("What is 121 / 11?", "11"), ("What is 3,600 / 60?", "60"),
+    # small sums with a negative result or zero: the model sent most of them to Search, and answered from the
+    # operands (3 - 7: "Result = 3 - 7: 3"; 10 - 25: "Result = 10"; 100 - 250 went to the Calculator and still
+    # read "Result = (-150)")
+    ("What is 3 - 7?", "-4"), ("What is 10 - 25?", "-15"), ("What is 8 - 9?", "-1"), ("What is 2 - 5?", "-3"),
+    ("What is 1 - 1?", "0"), ("What is 100 - 250?", "-150"), ("What is 12 - 30?", "-18"), ("What is 5 - 8?", "-3"),
+    ("What's 6 - 9?", "-3"), ("Compute 3 - 10", "-7"), ("What is 0 - 5?", "-5"), ("What is 4 - 7?", "-3"),
+    ("How much is 2 - 9?", "-7"), ("What is 1 - 2?", "-1"), ("What is 4 - 6?", "-2"), ("What is 7 - 3?", "4"),
 ]
 
 CHITCHAT = {"test": ["Hello, who are you?", "Hello! What can you do?", "Hi!", "Good morning!", "Thanks, that helps.",
@@ -201,7 +208,7 @@ def echoes(episode: Episode) -> bool:
 def transcript(episode: Episode) -> str:
     parts = [f"Q: {episode.question}"]
     for s in episode.segments:
-        label = s.stop.label if s.stop else f"tool {s.tool}"
+        label = s.stop.label if s.stop else f"tool {s.tools_named}"
         parts.append(f"  [{s.kind}, {label}] {s.text!r}")
     return "\n".join(parts)
 

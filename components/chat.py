@@ -79,7 +79,7 @@ def waiting_messages(question: str) -> list[dict]:
 def tool_title(segment: Segment) -> str:
     if segment.tool is None:
         return "Tool call (malformed)"
-    return f"Tool {segment.tool}: {segment.query or ''}"
+    return f"Tool {segment.tools_named}: {segment.query or ''}"
 
 
 def tool_message(segment: Segment) -> dict:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SEGMENT_KEYS = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens", "cached_tokens",
+SEGMENT_KEYS = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "ran", "prefill_tokens", "cached_tokens",
                 "generated_tokens", "ms"}
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from app.tools import Tool, ToolError, ToolResult, default_tools, find_tool, get_tools, run_tool
+from app.tools import Misrouted, Tool, ToolError, ToolResult, default_tools, find_tool, get_tools, run_tool
 
 
 def _raise_tool_error(query: str) -> str:
@@ -103,15 +103,33 @@ def test_a_hint_names_a_tool_only_where_the_session_has_it():
 
 
 @pytest.mark.parametrize("query, computed", [("2 + 2", "4"), ("0 + 0", "0"), ("(3*4)/2", "6"), ("1,000 + 234", "1234"),
-                                             ("41 * 23", "943")])
-def test_a_sum_sent_to_search_says_what_the_calculator_gives(query, computed):
-    """Seen in Chromium: after a few questions a chat sent "What is 2 + 2?" to Search, which found the Jargon
-    File's "2: infix", and the model answered "Result = 2". Now Search names the Calculator's result where the
-    session has the Calculator (the model then answered "Result = 4"), and only says what it is otherwise."""
-    error = f'error: "{query}" is arithmetic, not a word'
-    assert run_tool(default_tools(), "Search", query) == ToolResult(f"{error}; the Calculator gives {computed}",
-                                                                     ok=False)
-    assert run_tool(get_tools(["Search"]), "Search", query) == ToolResult(error, ok=False)
+                                             ("41 * 23", "943"), ("3 - 7", "-4"), ("1/0", None)])
+def test_a_sum_sent_to_search_is_passed_on_to_the_calculator(query, computed):
+    """Seen in Chromium: "What is 2 + 2?" went to Search, which found the Jargon File's "2: infix", and the model
+    answered "Result = 2"; an error naming the Calculator's result then fixed 2 + 2 but not "3 - 7" (answered
+    "Result = 3 - 7: 3"). Now Search passes a sum on to the Calculator where the session has it (the model reads
+    the Calculator's output, its error included), and says what the query is otherwise."""
+    passed_on = run_tool(default_tools(), "Search", query)
+    expected = calculator_result(query)
+    assert passed_on == ToolResult(expected.text, expected.ok, ran="Calculator")
+    assert passed_on.ok == (computed is not None) and (computed is None or passed_on.text == computed)
+    assert run_tool(get_tools(["Search"]), "Search", query) == ToolResult(
+        f'error: "{query}" is arithmetic, not a word', ok=False)
+
+
+def test_a_tool_passing_a_query_on_to_itself_or_an_unknown_tool_gives_its_error():
+    def loops(query: str) -> str:
+        raise Misrouted("not mine", "Loops")
+
+    def elsewhere(query: str) -> str:
+        raise Misrouted("not mine", "Nowhere")
+
+    tools = {"Loops": Tool("Loops", "passes to itself", loops), "Elsewhere": Tool("Elsewhere", "?", elsewhere)}
+    assert run_tool(tools, "Loops", "x") == run_tool(tools, "Elsewhere", "x") == ToolResult("error: not mine", ok=False)
+
+
+def calculator_result(query: str) -> ToolResult:
+    return run_tool(get_tools(["Calculator"]), "Calculator", query)
 
 
 @pytest.mark.parametrize("query", ["0", "2", "404", "x + 2", "-1", "kludge"])

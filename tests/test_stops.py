@@ -578,13 +578,15 @@ def test_a_line_that_follows_no_tool_may_still_be_the_next_question(tiny_llama, 
 
 
 @pytest.mark.parametrize("written, text, allowed", [
-    ("", " -", True), ("", " -24", True), ("", " 24", False), ("", " +", False), ("", " The", True), ("", "<", True),
+    ("", " -", True), ("", " -24", True), ("", " 24", False), ("", " +", False), ("", " The", False), ("", "<", False),
+    ("", " (", False), ("", " (-", False), ("", "  ", False), ("", " –", False),
     (" ", "-", True), (" ", "+24", False), (" -", "2", True), (" -", "3", False), (" -", " apples", False),
     (" -24", "0", False), (" -24", ".5", False), (" -24", "<", True), (" -24", ".", True), (" -24", " apples", True),
     ("", " -24<", True), ("", " -240", False),
 ])
-def test_after_the_calculator_a_number_on_the_answer_line_is_its_output(written, text, allowed):
-    """Regression: after the Calculator said -24 the model answered "Result = 24" (the sign dropped)."""
+def test_after_the_calculator_the_answer_line_begins_with_its_output(written, text, allowed):
+    """Regressions: after the Calculator said -24 the model answered "Result = 24" (the sign dropped); where
+    only a number the line began was held to the output, it answered "Result = (-150)" and "Result =  –15"."""
     from app.answer_line import number_allows
 
     assert number_allows(written, " -24", text) is allowed
@@ -595,6 +597,7 @@ def test_after_the_calculator_a_number_on_the_answer_line_is_its_output(written,
     ("<request><Calculator>2**100<call>1.26765060023e30<response>", "1.26765060023e30"),
     ("<request><Calculator>x<call>error: name 'x' is not allowed<response>", None),
     ("<request><Search>2<call>2: infix<response>", None), ("<request><Calculator>1+1<call>2<response>\nResult = 2", None),
+    ("<request><Search>3 - 7<call>-4<response>", "-4"),  # (a sum Search passed on to the Calculator)
 ])
 def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenizer, tail, number):
     from app.answer_line import AnswerGrammar
@@ -635,16 +638,16 @@ def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_
 
 def test_the_calculators_number_is_kept_by_a_few_allowed_ids_not_a_ban_of_the_vocabulary(tokenizer):
     """Regression (load test, 20 chats: ~1 s a turn): once the number was begun, every token banned ~49,000 ids."""
-    from app.answer_line import AnswerGrammar, AnswerLine
+    from app.answer_line import AnswerGrammar, AnswerLine, number_allows
 
     grammar, line = AnswerGrammar(tokenizer), AnswerLine(after_tool=True, number="-24")
     for piece in ["\n", "Result", " =", " -", "2", "4", "<"]:
         banned, allowed = grammar.banned(line), grammar.allowed(line)
         assert banned is None or len(banned) < 1000 or line.head is not None  # (the line after a tool: opening)
-        assert (allowed is not None) == (line.number_due in (" -", " -2"))  # begun, not yet whole
+        assert (allowed is not None) == (line.number_due in ("", " -", " -2"))  # not yet whole
         assert allowed is None or len(allowed) < 10
         logits = grammar.mask(torch.zeros(len(tokenizer)), line)
         if allowed is not None:
-            assert [tokenizer.decode([i]) for i in (logits > float("-inf")).nonzero().flatten()] == [
-                " -24"[len(line.number_due)]]
+            kept = [tokenizer.decode([i]) for i in (logits > float("-inf")).nonzero().flatten()]
+            assert kept and all(number_allows(line.number_due, " -24", text) for text in kept), kept
         line.push(piece)

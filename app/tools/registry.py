@@ -13,7 +13,7 @@ Import-light on purpose: only the standard library here (the tools are imported 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,16 @@ class ToolError(Exception):
     def __init__(self, message: str, hint: tuple[str, str] | None = None):
         super().__init__(message)
         self.hint = hint
+
+
+class Misrouted(ToolError):
+    """A query that belongs to another tool (`tool`): run_tool passes it on where the session has that tool, and
+    the model reads that tool's output; elsewhere it is this error. Why: a small model sends small sums to Search
+    ("What is 3 - 7?"), and given an error that named the Calculator's result it answered "Result = 3 - 7: 3"."""
+
+    def __init__(self, message: str, tool: str):
+        super().__init__(message)
+        self.tool = tool
 
 
 def _as_is(output: str) -> str:
@@ -45,6 +55,7 @@ class Tool:
 class ToolResult:
     text: str
     ok: bool
+    ran: str | None = None  # the tool that answered, where the one called passed the query on (Misrouted)
 
 
 def default_tools() -> dict[str, Tool]:
@@ -96,6 +107,11 @@ def run_tool(tools: Mapping[str, Tool], name: str, query: str) -> ToolResult:
         return ToolResult(f"unknown tool {name} (available: {', '.join(tools)})", ok=False)
     try:
         text = tool.function(query)
+    except Misrouted as exc:
+        other = find_tool(tools, exc.tool)
+        if other is None or other is tool:
+            return ToolResult(f"error: {exc}", ok=False)
+        return replace(run_tool(tools, other.name, query), ran=other.name)
     except ToolError as exc:
         hint = f"; {exc.hint[1]}" if exc.hint and find_tool(tools, exc.hint[0]) else ""
         return ToolResult(f"error: {exc}{hint}", ok=False)

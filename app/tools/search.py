@@ -37,7 +37,7 @@ from typing import Protocol
 
 from app.config import ASSETS, cache_dir
 from app.tools.jargon import opening, redirect_target, shorten
-from app.tools.registry import ToolError
+from app.tools.registry import Misrouted, ToolError
 
 log = logging.getLogger(__name__)
 
@@ -313,23 +313,13 @@ def first_entry(output: str) -> str:
     return output.split("\n", 1)[0]
 
 
-def _computed(query: str) -> str:
-    """The hint for a sum sent to Search: what the Calculator gives (shown only where the session has it)."""
-    from app.tools.calculator import calculate
-
-    try:
-        return f"the Calculator gives {calculate(query)}"
-    except ToolError:
-        return "to compute it, use Calculator"
-
-
 def search_tool(query: str) -> str:
     """The Search tool: top hits in the Jargon File as compact text."""
     if not isinstance(query, str) or not query.strip():
         raise ToolError("empty query: give a word or phrase to look up")
     shown = shorten(" ".join(query.split()), 60)
     if _ARITHMETIC.fullmatch(query.strip()):  # as the calculator does with words: the message names the tool
-        raise ToolError(f'"{shown}" is arithmetic, not a word', hint=("Calculator", _computed(query)))
+        raise Misrouted(f'"{shown}" is arithmetic, not a word', "Calculator")
     if not query_terms(query):
         raise ToolError(f'no words to search for in "{shown}"')
     hits = get_backend().search(query, TOOL_RESULTS)

@@ -260,7 +260,7 @@ def test_gradio_client_ask_returns_episode_json(app_url):
     assert set(result) == {"question", "answer", "backend", "total_tokens", "cache", "segments"}
     assert result["question"] == "What is 41 * 23?"
     assert set(result["cache"]) == {"enabled", "prefill_tokens", "reused_tokens"}
-    segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens",
+    segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "ran", "prefill_tokens",
                     "cached_tokens", "generated_tokens", "ms"}
     assert result["segments"] and all(set(s) == segment_keys for s in result["segments"])
     assert result["segments"][0]["kind"] == "model" and result["segments"][0]["stop_reason"]
