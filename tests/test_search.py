@@ -207,3 +207,14 @@ def test_no_headwords_opening_is_only_its_labels() -> None:
     assert bare == []
     assert search_tool("YMMV").startswith("YMMV: Abbreviation for Your mileage may vary")
     assert search_tool("404").startswith("404: Extended to humans")
+
+
+@pytest.mark.parametrize("word, definition", [("AFAIK", "As Far As I Know"), ("AFK", "Away From Keyboard"),
+                                              ("GPV", "General Public Virus in widespread use"),
+                                              ("RTFAQ", "Read the FAQ!, an exhortation")])
+def test_an_abbreviation_is_defined_by_what_it_stands_for(word, definition) -> None:
+    """Regression (Chromium): "Abbrev." was stripped as a part-of-speech label, so AFAIK's definition read "for
+    “As Far As I Know”" (5 entries so). Kept as "Abbrev. for …", the model answered "Result = AFAIK: AFAIK:
+    AFAIK:"; the expansion alone it copies ("Result = AFAIK: As Far As I Know"), and AFK's is not lengthened with
+    the next sentence as a short first sentence is (the model paraphrased that: "A message that is sent to …")."""
+    assert search_tool(word) == f"{word}: {definition}" or search_tool(word).startswith(f"{word}: {definition} ")

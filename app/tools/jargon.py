@@ -16,12 +16,16 @@ _SHORT_SENTENCE = 20  # a first sentence shorter than this gets the next one too
 # One piece of the apparatus before a definition: a pronunciation, a part of speech, a bracketed
 # note, a sense number, or separating punctuation.
 # (The labels also come without their period where a comma or the paragraph's end follows: "n.,vi", "adj"; an
-# empty pronunciation is "//": 60 entries, YMMV, AFAIK and 404 among them, gave their labels as the definition.)
+# empty pronunciation is "//": 60 entries, YMMV, AFAIK and 404 among them, gave their labels as the definition.
+# "Abbrev. for “As Far As I Know”" opens a definition, not a label: AFAIK read "for “As Far As I Know”".)
 _PART_OF_SPEECH = (r"(?:pl\.\s*)?(?:n|v|vt|vi|adj|adv|interj|imp|prep|excl|conj|pron|abbrev|suff|pref|prov|quant|cav"
-                   r"|obs)(?:\.|(?=,|\s*\Z))")
+                   r"|obs)(?:\.|(?=,|\s*\Z))(?!\s*for\b)")
 _APPARATUS = re.compile(
     rf"\A(?:\s+|[,;:]|/[^/\n]{{0,40}}/|{_PART_OF_SPEECH}|\[[^\]]*\]|\(also [^)]*\)|\d{{1,2}}\.(?=\s))", re.IGNORECASE)
 _BRACKETS = re.compile(r"\s*\[[^\]]*\]")
+# "Abbrev. for “As Far As I Know”" (5 entries): what the abbreviation stands for is its meaning, unquoted. (Kept
+# whole, the model answered "Result = AFAIK: AFAIK: AFAIK:"; with the label stripped, "AFAIK: for “As Far …”".)
+_ABBREV_FOR = re.compile(r"\AAbbrev\.\s+for\s+(?:[“‘]([^”’]*)[”’])?")
 _FIRST_SENSE = re.compile(r"^1\.\s", re.MULTILINE)
 _NOT_DEFINITIONS = ("“", "‘", "Also ")  # usage examples and alias notes ("Also bit decay.")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z“‘(])")
@@ -74,9 +78,13 @@ def opening(text: str, limit: int = MAX_DEFINITION_CHARS) -> str:
     decay.") are skipped. (Without the period, the model copying a definition into its answer goes on with
     `<submit>`; after one it mostly started a new line and a new question: measured on the bundled model.)"""
     sense = " ".join(_BRACKETS.sub("", first_sense(text)).split())
+    expanded = _ABBREV_FOR.match(sense)  # (an abbreviation's expansion says it all, however short)
+    if expanded:
+        sense = (expanded[1] or "") + sense[expanded.end():]
     sentences = [s for s in _SENTENCE_END.split(sense) if s and not s.startswith(_NOT_DEFINITIONS)]
     chosen = sentences[0] if sentences else sense
-    if len(chosen) < _SHORT_SENTENCE and len(sentences) > 1 and len(chosen) + 1 + len(sentences[1]) <= limit:
+    if (not expanded and len(chosen) < _SHORT_SENTENCE and len(sentences) > 1
+            and len(chosen) + 1 + len(sentences[1]) <= limit):
         chosen += " " + sentences[1]  # "To understand." says little alone
     return shorten(chosen, limit).removesuffix(".")
 
