@@ -103,7 +103,8 @@ def test_a_hint_names_a_tool_only_where_the_session_has_it():
 
 
 @pytest.mark.parametrize("query, computed", [("2 + 2", "4"), ("0 + 0", "0"), ("(3*4)/2", "6"), ("1,000 + 234", "1234"),
-                                             ("41 * 23", "943"), ("3 - 7", "-4"), ("1/0", None)])
+                                             ("41 * 23", "943"), ("3 - 7", "-4"), ("1/0", None),
+                                             ("square root of 2", "1.41421356237"), ("12 squared", "144")])
 def test_a_sum_sent_to_search_is_passed_on_to_the_calculator(query, computed):
     """Seen in Chromium: "What is 2 + 2?" went to Search, which found the Jargon File's "2: infix", and the model
     answered "Result = 2"; an error naming the Calculator's result then fixed 2 + 2 but not "3 - 7" (answered

@@ -40,7 +40,18 @@ _REPLACEMENTS = {
 # directly inside log) is read as log(x, base) too.
 _THOUSANDS = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)")
 # "25% of 640", as the model writes a question's percentage; a bare % stays Python's modulo.
-_PERCENT_OF = re.compile(r"(\d+(?:\.\d+)?)\s*%\s*of\b\s*", re.IGNORECASE)
+_PERCENT_OF = re.compile(r"(\d+(?:\.\d+)?)\s*(?:%|percent)\s*of\b\s*", re.IGNORECASE)
+# Operators in words, as a visitor types them and the model passes them on ("square root of 2" went to Search,
+# which found "Death Square", and the answer read "Result = 100"): only between numbers (or brackets), so a
+# phrase that is not arithmetic stays words. A number here: digits, with a point or thousands commas.
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
+_IN_WORDS = [(re.compile(rf"\b(?:the\s+)?square\s+root\s+of\s+({_NUMBER})", re.IGNORECASE), r"sqrt(\1)"),
+             (re.compile(rf"({_NUMBER}|\))\s+squared\b", re.IGNORECASE), r"\1**2"),
+             (re.compile(rf"({_NUMBER}|\))\s+cubed\b", re.IGNORECASE), r"\1**3")]
+_OPERATOR_WORDS = {r"times": "*", r"multiplied\s+by": "*", r"divided\s+by": "/", r"plus": "+", r"minus": "-",
+                   r"to\s+the\s+power\s+of": "**"}
+_IN_WORDS += [(re.compile(rf"(?<=[\d)])\s+{words}\s+(?=[\d(.])", re.IGNORECASE), symbol)
+              for words, symbol in _OPERATOR_WORDS.items()]
 
 _OPERATOR_NAMES = {
     ast.BitXor: "^", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>",
@@ -97,6 +108,8 @@ def _prepare(expression: str) -> str:
     for old, new in _REPLACEMENTS.items():
         text = text.replace(old, new)
     text = re.sub(r"[\s=]+$", "", text)  # "12*3 =" -> "12*3"
+    for words, symbols in _IN_WORDS:
+        text = words.sub(symbols, text)
     text = _THOUSANDS.sub(_merge_thousands, text)
     return _close_parentheses(_PERCENT_OF.sub(r"(\1/100)*", text))
 

@@ -52,6 +52,7 @@ MAX_QUERY_CHARS = 500
 # Two numbers and an operator between them, and nothing else ("2 + 2", "(3 * 4) / 2"): a sum sent to the wrong
 # tool. (The Jargon File's only headwords of digits alone are 0, 2 and 404, which stay look-ups.)
 _ARITHMETIC = re.compile(r"[\d\s.,()+\-*/×÷^%=]*\d\s*[-+*/×÷^%]\s*[\d(][\d\s.,()+\-*/×÷^%=]*")
+_NUMBER_ALONE = re.compile(r"[-+]?[\d.,]+")
 
 
 @dataclass(frozen=True)
@@ -313,12 +314,30 @@ def first_entry(output: str) -> str:
     return output.split("\n", 1)[0]
 
 
+def is_arithmetic(query: str) -> bool:
+    """Whether a query is a sum for the Calculator: numbers with an operator between them, or text with a digit
+    that the Calculator reads ("square root of 2", "15 times 4"); never a number alone (the Jargon File's 0, 2
+    and 404 are headwords)."""
+    from app.tools.calculator import calculate
+
+    text = query.strip()
+    if _ARITHMETIC.fullmatch(text):
+        return True
+    if not any(char.isdigit() for char in text) or _NUMBER_ALONE.fullmatch(text):
+        return False
+    try:
+        calculate(text)
+    except ToolError:
+        return False
+    return True
+
+
 def search_tool(query: str) -> str:
     """The Search tool: top hits in the Jargon File as compact text."""
     if not isinstance(query, str) or not query.strip():
         raise ToolError("empty query: give a word or phrase to look up")
     shown = shorten(" ".join(query.split()), 60)
-    if _ARITHMETIC.fullmatch(query.strip()):  # as the calculator does with words: the message names the tool
+    if is_arithmetic(query):  # as the calculator does with words: the message names the tool
         raise Misrouted(f'"{shown}" is arithmetic, not a word', "Calculator")
     if not query_terms(query):
         raise ToolError(f'no words to search for in "{shown}"')
