@@ -19,7 +19,10 @@ on `<` and 0.40 on `)` and `)<` together).
 After a tool's output the model's next line opens its answer or another call (`Result =` or `<request>`, after
 at most one newline): a small model sometimes wrote the next example's "\nQ:" right after the `<response>`
 ("Can you help me?" searched "help"; "Explain the term snippage." got its entry, then wrote nothing), which
-ended the turn with no answer at all, shown as "(no text)".
+ended the turn with no answer at all, shown as "(no text)". Right after the question the model's reply does not
+open with "Q:" either: that is the next example's question, which the "\nQ:" stop cannot see there (the newline
+before it is the question's, not generated). Asked "meaning of cruft", the model wrote "Q: What is the difference
+between a calculator and a calculator?", then a search for luser, and answered with its definition.
 
 After the Calculator's output the answer line begins with that output, as every example in the prompt answers:
 the model dropped the sign of a negative result ("5 - 29": the tool said -24, the answer read "Result = 24"; 2 of
@@ -37,7 +40,7 @@ import itertools
 import re
 from typing import TYPE_CHECKING
 
-from app.protocol import ANSWER_PREFIX, CALL, REQUEST, RESPONSE, SUBMIT
+from app.protocol import ANSWER_PREFIX, CALL, NEXT_QUESTION, QUESTION_PREFIX, REQUEST, RESPONSE, SUBMIT
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +102,13 @@ def opens_well(head: str) -> bool:
     return False
 
 
+def asks_next(start: str) -> bool:
+    """Whether `start`, the start of a reply right after the question, opens (or can still open) the next
+    example's question: "Q:" (after at most one newline)."""
+    opening, question = _past_one_newline(start), NEXT_QUESTION.lstrip("\n")
+    return bool(opening) and (question.startswith(opening) or opening.startswith(question))
+
+
 def _spells_submit(text: str) -> bool:
     """Whether text, which opens with `<`, goes on spelling `<submit>` (up to its `>`) and adds something."""
     return len(text) > 1 and SUBMIT.startswith(text)
@@ -113,7 +123,8 @@ class AnswerLine:
     text ends with. Fed the segment's text as it grows; a segment starts on a new line (after the question's
     line or a tool's `<response>`)."""
 
-    def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False, number: str | None = None):
+    def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False, number: str | None = None,
+                 after_question: bool = False):
         self._prefix = prefix
         self._number = None if number is None else " " + number  # the Calculator's output, as the answer writes it
         self._line = ""  # the current line, while `number` may still be due on it
@@ -122,11 +133,18 @@ class AnswerLine:
         self._brackets = 0  # round brackets the line has opened and not closed
         # after a tool's output: the segment's text until it opens the answer or a call (None: no such rule now)
         self._head: str | None = "" if after_tool else None
+        # right after the question: the reply's text until it holds more than a newline (None: no such rule now)
+        self._start: str | None = "" if after_question else None
 
     @property
     def head(self) -> str | None:
         """The segment's text so far while its first line must still open the answer or a call, else None."""
         return self._head
+
+    @property
+    def start(self) -> str | None:
+        """The reply's text so far while it is right after the question and holds no more than a newline."""
+        return self._start
 
     @property
     def on_answer(self) -> bool:
@@ -170,12 +188,16 @@ class AnswerLine:
 
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
-        other._opening, other._end, other._head = self._opening, self._end, self._head
+        other._opening, other._end, other._head, other._start = self._opening, self._end, self._head, self._start
         other._number, other._line = self._number, self._line
         other._brackets = self._brackets
         return other
 
     def push(self, delta: str) -> None:
+        if self._start is not None:
+            self._start += delta
+            if _past_one_newline(self._start):
+                self._start = None  # begun: not the next question (the ban saw to it)
         if self._head is not None:
             self._head += delta
             if _past_one_newline(self._head).startswith(OPENINGS):
@@ -217,17 +239,28 @@ class AnswerGrammar:
         found = _CALCULATED.search("".join(self._texts[i] for i in ids[-64:]))
         return found[1] if found else None
 
+    def follows_a_question(self, ids: list[int]) -> bool:
+        """Whether a segment that starts after these ids starts the reply to a question: they end with the
+        question's line ("Q: ...\n", as app.engine writes it), whole within the last 1,200 ids (a longer line is
+        not recognised, and has no such rule)."""
+        text = "".join(self._texts[i] for i in ids[-1200:])
+        line = text[:-1].rsplit("\n", 1)
+        return text.endswith("\n") and len(line) == 2 and line[1].startswith(QUESTION_PREFIX)
+
     def follows_a_tool(self, ids: list[int]) -> bool:
         """Whether a segment that starts after these ids follows a tool's output: the texts of the last few ids end
         with the tools' `<response>` marker."""
         return "".join(self._texts[i] for i in ids[-len(RESPONSE):]).endswith(RESPONSE)
 
     def banned(self, line: AnswerLine) -> torch.Tensor | None:
-        """The ids of the tokens the line cannot take next; None off the answer line (and not right after a tool's
-        output)."""
+        """The ids of the tokens the line cannot take next; None off the answer line (and not right after the
+        question or a tool's output)."""
         if line.head is not None:
             head = line.head
             return self._ban(("after tool", head), lambda text: not opens_well(head + text))
+        if line.start is not None:
+            start = line.start
+            return self._ban(("after question", start), lambda text: asks_next(start + text))
         if not line.on_answer:
             return None
         state = line.open_tag

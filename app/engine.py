@@ -31,7 +31,8 @@ from app.kvcache import TokenCache, kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.prompt import PromptError, default_prompt_template, render_prompt
-from app.protocol import CALL, CUT_STOPS, RESPONSE, ToolCallError, calls_tool, encode, neutralize, parse_tool_call
+from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, RESPONSE, ToolCallError, calls_tool, encode, neutralize,
+                          parse_tool_call)
 from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
                           require_utf8)
 from app.tools.registry import Tool, default_tools, run_tool
@@ -169,7 +170,7 @@ class Engine:
         """The tokens a turn adds for its (clean) question; InputError when they leave no room under max_length
         (checked by a caller too, before it replaces a chat with a new session for this question)."""
         separator = "\n\n" if session.episodes else ""
-        query_ids = self._encode(f"{separator}Q: {neutralize(question, self._specials)}\n")
+        query_ids = self._encode(f"{separator}{QUESTION_PREFIX}{neutralize(question, self._specials)}\n")
         used = len(session.cache)
         if used + len(query_ids) >= settings.max_length:
             advice = ("start a new chat or raise max_length" if session.episodes else

@@ -571,10 +571,42 @@ def test_after_a_tool_the_model_answers_instead_of_writing_the_next_question(tin
     assert re.match(r"\n?(Result =|<request>)", after.text), after.text
 
 
-def test_a_line_that_follows_no_tool_may_still_be_the_next_question(tiny_llama, tokenizer):
-    plan = plan_text(tokenizer, (0, "\nQ: next"))
+@pytest.mark.parametrize("draft_tokens", [0, 8])
+@pytest.mark.parametrize("written", ["Q: What is a calculator?", "\nQ: next", "Q:"])
+def test_right_after_the_question_the_reply_does_not_ask_the_next_one(tiny_llama, tokenizer, written, draft_tokens):
+    """Regression: asked "meaning of cruft", the model wrote "Q: What is the difference between a calculator and a
+    calculator?" (the "\nQ:" stop cannot see that one: the newline is the question's), then a search for luser,
+    and answered with its definition. The tiny model, kept from "Q", writes something else."""
+    plan = plan_text(tokenizer, (0, written))
+    _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=6, max_turns=0, draft_tokens=draft_tokens)
+    first = episode.segments[0]
+    assert not first.text.lstrip("\n").startswith("Q") and first.stop.string != "\nQ:", first
+
+
+def test_a_later_line_may_still_be_the_next_question(tiny_llama, tokenizer):
+    plan = plan_text(tokenizer, (0, "Quite so\nQ: next"))  # (a reply may begin with a Q that is not "Q:")
     _, _, episode = run(forced(tiny_llama, plan), max_new_tokens=12)
-    assert episode.stop.string == "\nQ:"
+    assert (episode.stop.string, episode.answer) == ("\nQ:", "Quite so")
+
+
+@pytest.mark.parametrize("start, asks", [("", False), ("Q", True), ("Q:", True), ("\nQ", True), ("Qu", False),
+                                         ("\n\nQ", False), ("Result", False), ("<request>", False), (" Q", False)])
+def test_what_opens_the_next_question_right_after_a_question(start, asks):
+    from app.answer_line import asks_next
+
+    assert asks_next(start) is asks
+
+
+@pytest.mark.parametrize("text, follows", [
+    ("Q: What is it?\n", True), ("Result = 4<submit>\n\nQ: meaning of cruft\n", True),
+    ("Q: What is it?\nResult", False), ("Q: What is it?", False), ("A: What is it?\n", False),
+    ("<request><Search>grok<call>grok: To understand<response>", False), ("Q: " + "word " * 1300 + "\n", False),
+])
+def test_which_ids_end_with_the_question(tokenizer, text, follows):
+    from app.answer_line import AnswerGrammar
+
+    ids = tokenizer("You answer questions.\n\n" + text, add_special_tokens=False)["input_ids"]
+    assert AnswerGrammar(tokenizer).follows_a_question(ids) is follows
 
 
 @pytest.mark.parametrize("written, text, allowed", [
