@@ -207,14 +207,15 @@ def test_tiny_exact_numbers_are_computed_or_a_clear_error_never_a_silent_zero(ex
     ("the square root of 1,024", "32"), ("Square Root of 144", "12"), ("12 squared", "144"), ("(2+3) squared", "25"),
     ("3 cubed", "27"), ("2 to the power of 10", "1024"), ("15 times 4", "60"), ("3 times (4+1)", "15"),
     ("10 divided by 4", "2.5"), ("3 plus 4", "7"), ("3 minus 7", "-4"), ("10 percent of 50", "5"),
-    ("7 multiplied by 6", "42"),
+    ("7 multiplied by 6", "42"), ("5!", "120"),  # regression: "what is 5!" -> "could not parse '5!'"
+    ("5 factorial", "120"), ("factorial of 6", "720"), ("3! + 1", "7"), ("factorial(5)", "120"),
 ])
 def test_operators_in_words_between_numbers(expression: str, expected: str) -> None:
     assert calculate(expression) == expected
 
 
 @pytest.mark.parametrize("expression", ["times", "square root of two", "12 squared meters", "3 plus minus 4",
-                                        "plus 3", "the times"])
+                                        "plus 3", "the times", "5 != 4", "x!"])
 def test_operator_words_elsewhere_stay_words(expression: str) -> None:
     with pytest.raises(ToolError):
         calculate(expression)

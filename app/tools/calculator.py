@@ -47,7 +47,10 @@ _PERCENT_OF = re.compile(r"(\d+(?:\.\d+)?)\s*(?:%|percent)\s*of\b\s*", re.IGNORE
 _NUMBER = r"\d[\d,]*(?:\.\d+)?"
 _IN_WORDS = [(re.compile(rf"\b(?:the\s+)?square\s+root\s+of\s+({_NUMBER})", re.IGNORECASE), r"sqrt(\1)"),
              (re.compile(rf"({_NUMBER}|\))\s+squared\b", re.IGNORECASE), r"\1**2"),
-             (re.compile(rf"({_NUMBER}|\))\s+cubed\b", re.IGNORECASE), r"\1**3")]
+             (re.compile(rf"({_NUMBER}|\))\s+cubed\b", re.IGNORECASE), r"\1**3"),
+             (re.compile(rf"(?<![\w.])({_NUMBER})\s*!(?!=)"), r"factorial(\1)"),  # "5!" (the model wrote it)
+             (re.compile(rf"({_NUMBER})\s+factorial\b(?!\s*\()", re.IGNORECASE), r"factorial(\1)"),
+             (re.compile(rf"\bfactorial\s+of\s+({_NUMBER})", re.IGNORECASE), r"factorial(\1)")]
 _OPERATOR_WORDS = {r"times": "*", r"multiplied\s+by": "*", r"divided\s+by": "/", r"plus": "+", r"minus": "-",
                    r"to\s+the\s+power\s+of": "**"}
 _IN_WORDS += [(re.compile(rf"(?<=[\d)])\s+{words}\s+(?=[\d(.])", re.IGNORECASE), symbol)
