@@ -89,7 +89,8 @@ def tool_message(segment: Segment) -> dict:
         "content": escape_text(segment.text.strip("\n")) or "*(empty result)*",
         "metadata": {
             "title": escape_text(tool_title(segment)),
-            "log": ("ok" if segment.ok else "error") + (f" · cut: {segment.stop.label}" if segment.stop else ""),
+            "log": ("ok" if segment.ok else "error") + (f" · cut: {segment.stop.label}" if segment.stop else "")
+                   + (f" · {segment.tool} passed it to the {segment.ran}" if segment.ran else ""),
             # (to the microsecond: Gradio shows a whole number as seconds, so a tool that took under 0.5 ms, rounded
             # to the millisecond, read "0s" beside the others' "1.0ms")
             "duration": round(segment.ms / 1000, 6),

@@ -21,21 +21,32 @@ TIME_COLUMNS = ["segment", "kind", "ms", "turn"]
 NUMBERS = {"tokens": "int64", "ms": "float64", "turn": "int64"}
 PARTS = ("new", "reused")
 COLOR_MAP = {"new": "#f97316", "reused": "#22c55e"}
-MAX_TURNS_SHOWN = 8  # the chart keeps the last turns readable
+# The charts show the last whole turns with at most this many segments in all (the last turn whole, however long):
+# each chart is half the page wide, and at 8 turns (24 bars) the slanted labels ran into each other (Chromium).
+MAX_SEGMENTS_SHOWN = 12
 
 
 def segment_label(turn: int, index: int, kind: str) -> str:
     return f"T{turn}.{index} {kind}"
 
 
-def _numbered(episodes: list[Episode], last: int | None):
-    start = max(0, len(episodes) - last) if last else 0
+def _first_shown(episodes: list[Episode], most: int | None) -> int:
+    """The first turn (index) of the last whole turns with at most `most` segments in all, the last one always."""
+    start, count = len(episodes), 0
+    while start > 0 and (most is None or start == len(episodes) or count + len(episodes[start - 1].segments) <= most):
+        count += len(episodes[start - 1].segments)
+        start -= 1
+    return start
+
+
+def _numbered(episodes: list[Episode], most: int | None):
+    start = _first_shown(episodes, most)
     for turn, episode in enumerate(episodes[start:], start=start + 1):
         for index, segment in enumerate(episode.segments, start=1):
             yield turn, segment_label(turn, index, segment.kind), segment
 
 
-def prefill_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -> pd.DataFrame:
+def prefill_frame(episodes: list[Episode], most: int | None = MAX_SEGMENTS_SHOWN) -> pd.DataFrame:
     """Two rows per segment: its prefill tokens that were new (fed through the model) and reused (from cache).
 
     Tool segments feed nothing through the model when inserted (their tokens are prefilled by the next model
@@ -43,16 +54,16 @@ def prefill_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -
     a segment's counts gets no bars for it (no made-up numbers; the footer says "not reported").
     """
     rows = []
-    for turn, label, segment in _numbered(episodes, last):
+    for turn, label, segment in _numbered(episodes, most):
         for part, tokens in zip(PARTS, (segment.prefill_tokens, segment.cached_tokens)):
             if tokens is not None:
                 rows.append([label, part, int(tokens), round(float(segment.ms), 1), turn, segment.kind])
     return _typed(pd.DataFrame(rows, columns=PREFILL_COLUMNS))
 
 
-def time_frame(episodes: list[Episode], last: int | None = MAX_TURNS_SHOWN) -> pd.DataFrame:
+def time_frame(episodes: list[Episode], most: int | None = MAX_SEGMENTS_SHOWN) -> pd.DataFrame:
     """One row per segment: its wall time in ms."""
-    rows = [[label, segment.kind, round(float(segment.ms), 1), turn] for turn, label, segment in _numbered(episodes, last)]
+    rows = [[label, segment.kind, round(float(segment.ms), 1), turn] for turn, label, segment in _numbered(episodes, most)]
     return _typed(pd.DataFrame(rows, columns=TIME_COLUMNS))
 
 

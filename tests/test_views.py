@@ -66,12 +66,22 @@ def test_timing_frames_equal_the_segment_stats():
     assert list(times["segment"]) == segment_order(frame)
     assert list(times["ms"]) == [round(s.ms, 1) for _, s in segments]
     assert prefill_frame([]).empty and time_frame([]).empty
-    assert list(prefill_frame([first, second], last=1)["segment"].unique()) == ["T2.1 model"]
+    assert list(prefill_frame([first, second], most=1)["segment"].unique()) == ["T2.1 model"]
+    assert list(prefill_frame([first, second], most=3)["segment"].unique()) == ["T2.1 model"]  # (whole turns)
+    assert list(time_frame([second, first], most=1)["segment"]) == ["T2.1 model", "T2.2 tool", "T2.3 model"]
     # (regression: "1 segments", seen on the page)
     assert timing_summary([first, second]) == ("Turn 2: 1 segment, 12 tokens prefilled new, 743 reused from "
                                                "cache, 0.00 s")
     plot = gr.BarPlot(x="segment", y="tokens", color="part").postprocess(frame)
     assert plot.datatypes["segment"] == "nominal" and plot.datatypes["tokens"] == "quantitative"
+
+
+def test_the_charts_show_the_last_turns_that_fit_their_width():
+    """Regression (Chromium): at 8 turns of 3 segments the slanted labels of 24 bars ran into each other."""
+    turns = [calculator_episode() for _ in range(8)]
+    assert segment_order(prefill_frame(turns)) == [f"T{t}.{i} {k}" for t in range(5, 9)
+                                                   for i, k in enumerate(("model", "tool", "model"), 1)]
+    assert list(time_frame(turns)["turn"].unique()) == [5, 6, 7, 8]
 
 
 # ---- compare ------------------------------------------------------------------------------------------------
