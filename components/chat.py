@@ -13,6 +13,7 @@ import re
 
 from app.decoding import Stop, StopReason
 from app.engine import Episode, Segment
+from app.protocol import SUBMIT
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~$])")
 
@@ -130,3 +131,16 @@ def chat_messages(episodes: list[Episode], notes: list[str] = (), partial: str |
     for question in waiting:
         messages.extend(waiting_messages(question))
     return messages
+
+
+def ending_note(episode: Episode | None) -> str | None:
+    """Why a turn ended where the model did not end its answer itself (`<submit>` or EOS): a plain "done" stood
+    under a reply that had looped to the repetition stop with no answer (seen in Chromium)."""
+    if episode is None:
+        return None
+    if episode.unrun_call:
+        return "ended by max_turns: the last tool call was not run"
+    stop = episode.stop
+    if stop is None or stop.reason in (StopReason.EOS, StopReason.CANCELLED) or stop.string == SUBMIT:
+        return None
+    return f"ended by {stop.label}"

@@ -28,7 +28,7 @@ from app.tools.registry import default_tools, get_tools
 from components.api import ApiHandlers
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
                               rewards)
-from components.chat import chat_messages, waiting_messages
+from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown
 from components.inputs import clean_prompt, make_settings
 from components.stats import counted, stats_markdown
@@ -40,14 +40,14 @@ log = logging.getLogger(__name__)
 MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the running one too): more stay in the box
 
 
-def done_status(unanswered: int, comparing: int = 0, stopped: bool = False) -> str:
-    """A turn's or a Compare's final status, on the status line they share. Regressions: a plain "done" landed
-    after the visitor's next message had been sent (waiting, or already started: the final update can arrive
-    after the next turn's first), and a turn's "done" while a Compare still ran; the page said done while work
-    of theirs still ran."""
+def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ended: str | None = None) -> str:
+    """A turn's or a Compare's final status, on the status line they share (`ended`: a turn's ending_note).
+    Regressions: a plain "done" landed after the visitor's next message had been sent (waiting, or already
+    started: the final update can arrive after the next turn's first), and a turn's "done" while a Compare still
+    ran; the page said done while work of theirs still ran."""
     parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
     done = "done (stopped by user)" if stopped else "done"
-    return " · ".join([done, *parts, *["compare still running"] * bool(comparing)])
+    return " · ".join([done, *[ended] * bool(ended), *parts, *["compare still running"] * bool(comparing)])
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:
@@ -246,8 +246,9 @@ class ChatService(ApiHandlers):
                     yield view("running", partial=partial, full=full)
             self.store.enforce_budget(self.shared_kv_bytes())
             others = len(entry.unanswered - {sent})
-            yield view(done_status(others, len(entry.comparing)) if entry.session is session else "new chat",
-                       full=True)
+            ended = ending_note(session.episodes[-1] if session.episodes else None)
+            yield view(done_status(others, len(entry.comparing), ended=ended) if entry.session is session
+                       else "new chat", full=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             entry.waiting.pop(sent, None)
             yield view(failure_status(error, "turn", key), textbox=message, full=True)

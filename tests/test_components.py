@@ -7,6 +7,7 @@ for the handlers, so tool loops are deterministic and fast.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import types
 
@@ -290,6 +291,11 @@ def make_service(tiny_llama, plan=None, eos_ids=None):
     return service, loaded
 
 
+def plain(status: str) -> str:
+    """A final status without its ending note (these turns' tiny max_new_tokens end them: "ended by max_length")."""
+    return re.sub(r" · ended by [^·]*?(?= · |$)", "", status)
+
+
 def turn(service, message, key="page-1", use_cache=True, max_length=4096, max_new_tokens=16, max_turns=4,
          temperature=0, tools=("Calculator", "Search"), prompt=None):
     prompt = default_prompt_template() if prompt is None else prompt
@@ -346,7 +352,7 @@ def test_tool_set_change_starts_a_new_chat_with_a_note(tiny_llama, calculator_pl
     loaded.model.plan = {}
     chat, _, status, tokens, _ = turn(service, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
     entry = service.store.peek("page-1")
-    assert status == "done" and entry.session is not first and entry.engine_key == ("Calculator",)
+    assert plain(status) == "done" and entry.session is not first and entry.engine_key == ("Calculator",)
     assert chat[0]["metadata"]["title"] == "Note" and "started a new chat" in chat[0]["content"]
     assert [m["role"] for m in chat[1:]][:1] == ["user"] and len(entry.session.episodes) == 1
     assert "- Search:" not in tokens[0][0] and "- Calculator:" in tokens[0][0]
@@ -359,7 +365,7 @@ def test_cache_off_gives_the_same_tokens(tiny_llama):
         turn(service, "hello", use_cache=use_cache, max_new_tokens=6)
         _, _, status, _, _ = turn(service, "again", use_cache=use_cache, max_new_tokens=6)[-1]
         session = service.store.peek("page-1").session
-        assert status == "done"
+        assert plain(status) == "done"
         if not use_cache:
             assert session.cache.nbytes == 0 and session.episodes[-1].segments[0].cached_tokens == 0
         ids.append(session.cache.ids)
@@ -379,7 +385,7 @@ def test_stop_cancels_between_tokens_and_keeps_the_partial_segment(tiny_llama):
     segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
     assert segment.stop.reason is StopReason.CANCELLED and 0 < segment.generated_tokens < 200
     _, _, status, _, _ = turn(service, "next", max_new_tokens=2)[-1]  # the session is still usable
-    assert status == "done"
+    assert plain(status) == "done"
 
 
 def test_sessions_are_separate_and_new_chat_clears(tiny_llama):
@@ -408,7 +414,7 @@ def test_new_chat_shows_the_messages_still_waiting_which_it_will_answer(tiny_lla
     assert chat == waiting_messages("second") and status == "new chat"
     list(running)
     chat, _, status, *_ = page_turn(service, second, max_new_tokens=3)
-    assert status == "done" and chat[0]["content"] == "second" and WAITING not in str(chat)
+    assert plain(status) == "done" and chat[0]["content"] == "second" and WAITING not in str(chat)
 
 
 def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
@@ -473,9 +479,9 @@ def test_a_turns_done_says_so_while_a_compare_of_the_visitors_still_runs(tiny_ll
                               service.ticket(request()))
     assert next(compare)[1] == "running: compare (cache on, then off)"
     status = page_turn(service, service.submit("second", [], request())[1], max_new_tokens=3)[2]
-    assert status == "done · compare still running"
+    assert plain(status) == "done · compare still running"
     assert list(compare)[-1][1] == "done"
-    assert page_turn(service, service.submit("third", [], request())[1], max_new_tokens=3)[2] == "done"
+    assert plain(page_turn(service, service.submit("third", [], request())[1], max_new_tokens=3)[2]) == "done"
 
 
 def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
@@ -488,7 +494,7 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     assert box == "" and submitted["message"] == "go on"  # the box empties at once, not when the turn starts
     assert shown == waiting_messages("go on") and shown[-1]["content"] == WAITING  # in the chat at once, waiting
     chat, _, status, *_ = page_turn(service, submitted)
-    assert status == "done" and "stopped by user" not in chat[-1]["content"]
+    assert plain(status) == "done" and "stopped by user" not in chat[-1]["content"]
     queued = [service.submit(text, chat, request())[1] for text in ("second", "third")]
     assert list(service.store.peek("page-1").waiting.values()) == ["second", "third"]
     service.stop(request())  # pressed while both wait in the queue
@@ -501,9 +507,9 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     assert len(service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
     assert not service.store.peek("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
     chat, _, status, *_ = page_turn(service, service.submit("after the stop", chat, request())[1], max_new_tokens=3)
-    assert status == "done" and chat[-2]["content"] == "after the stop"
+    assert plain(status) == "done" and chat[-2]["content"] == "after the stop"
     chat, _, status, _, _ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
-    assert status == "done" and "stopped by user" not in chat[-1]["content"]
+    assert plain(status) == "done" and "stopped by user" not in chat[-1]["content"]
 
 
 def test_api_failures_that_are_not_user_mistakes_are_named(tiny_llama):
@@ -553,9 +559,9 @@ def test_a_turn_that_ends_while_the_next_one_already_runs_does_not_say_done(tiny
     next(first)
     _, second, _ = service.submit("second", [], request())
     service.store.get(request().session_hash).waiting.pop(second["sent"])  # as when its turn has started
-    assert list(first)[-1][2] == "done · 1 more message to answer"
-    assert list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
-                                  default_prompt_template(), request()))[-1][2] == "done"
+    assert plain(list(first)[-1][2]) == "done · 1 more message to answer"
+    assert plain(list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
+                                        default_prompt_template(), request()))[-1][2]) == "done"
 
 
 def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tiny_llama):
@@ -595,7 +601,7 @@ def test_a_message_a_new_chat_has_no_room_for_leaves_the_chat_as_it_was(tiny_lla
     assert box == "What is 2 + 2?" and entry.session is kept and not entry.notes
     assert "41" in chat[0]["content"]  # the chat is still there (its question, markdown-escaped)
     chat, _, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_new_tokens=3)[-1]
-    assert status == "done" and entry.notes == [
+    assert plain(status) == "done" and entry.notes == [
         "Tools changed (now: Calculator), so the system prompt changed: started a new chat."]
 
 
@@ -642,8 +648,33 @@ def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     chat = next(first)[0]  # the running turn's next update
     assert chat[-2:] == waiting_messages("second") and chat[0]["content"] == "first"
     outputs = list(first)
-    assert outputs[-1][2] == "done · 1 more message to answer"  # (it said "done" with "second" unanswered)
+    assert plain(outputs[-1][2]) == "done · 1 more message to answer"  # (it said "done" with "second" unanswered)
     outputs += list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
                                       default_prompt_template(), request()))
     chat, _, status, *_ = outputs[-1]
-    assert status == "done" and WAITING not in str(chat) and chat[-2]["content"] == "second"
+    assert plain(status) == "done" and WAITING not in str(chat) and chat[-2]["content"] == "second"
+
+
+def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
+    """Regression (Chromium, Calculator off): "What is 3 - 7?" looped to the repetition stop with no answer, and
+    the status line said a plain "done"."""
+    from app.decoding import Limit
+    from components.chat import ending_note
+    from components.handlers import done_status
+
+    def ended(stop: Stop, unrun: bool = False) -> str | None:
+        episode = Episode("q", 0, 1, use_cache=True)
+        episode.segments = [Segment("model", "x", 0, 1, stop=stop)]
+        episode.unrun_call = unrun
+        return ending_note(episode)
+
+    assert ended(Stop(StopReason.REPETITION)) == "ended by repetition"
+    assert ended(Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_NEW_TOKENS)) == "ended by max_length (max_new_tokens)"
+    assert ended(Stop(StopReason.STRING_MATCH, string="\nQ:")) == "ended by string match \\nQ:"
+    assert ended(Stop(StopReason.STRING_MATCH, string="<call>"), unrun=True) == (
+        "ended by max_turns: the last tool call was not run")
+    for clean in (Stop(StopReason.STRING_MATCH, string="<submit>"), Stop(StopReason.EOS), Stop(StopReason.CANCELLED)):
+        assert ended(clean) is None
+    assert ending_note(None) is None
+    assert done_status(1, ended="ended by repetition") == "done · ended by repetition · 1 more message to answer"
+    assert done_status(0) == "done"

@@ -18,7 +18,7 @@ from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summa
 from components.compare import compare_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from tests.conftest import plan_text
-from tests.test_components import calculator_episode, make_service, request, turn
+from tests.test_components import calculator_episode, make_service, plain, request, turn
 
 CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
 SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
@@ -257,7 +257,7 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
     custom = "You are Custom Bot. Tools you may call:\n{tools}\n"
     chat, _, status, tokens, _ = turn(service, "hi", tools=["Calculator"], prompt=custom, max_new_tokens=2)[-1]
-    assert status == "done"
+    assert plain(status) == "done"
     system = tokens[0]
     assert system[1] == "system" and system[0].startswith("You are Custom Bot. Tools you may call:\n- Calculator:")
     assert "- Search:" not in system[0] and "{tools}" not in system[0]
@@ -270,7 +270,7 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
     # a changed prompt starts a new chat with a visible note
     chat, _, status, tokens, _ = turn(service, "again", tools=["Calculator"], prompt="Other. {tools}",
                                       max_new_tokens=2)[-1]
-    assert status == "done" and entry.session is not first and len(entry.session.episodes) == 1
+    assert plain(status) == "done" and entry.session is not first and len(entry.session.episodes) == 1
     assert chat[0]["metadata"]["title"] == "Note" and "System prompt changed" in chat[0]["content"]
     assert tokens[0][0].startswith("Other. - Calculator:")
     # an empty prompt is an error; the chat is kept

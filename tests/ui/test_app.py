@@ -30,7 +30,7 @@ def set_number(page: Page, elem_id: str, value: float) -> None:
     field.blur()
 
 
-def send(page: Page, text: str, status: str | re.Pattern = "done") -> None:
+def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
     """Type and send a message; wait until the turn has left the previous status, then for its final one."""
     status_box = page.locator("#status")
     previous = status_box.inner_text()
@@ -38,7 +38,7 @@ def send(page: Page, text: str, status: str | re.Pattern = "done") -> None:
     page.locator("#send").click()
     expect(status_box).not_to_have_text(previous, timeout=TURN_MS)
     expect(status_box).to_have_text(FINAL, timeout=TURN_MS)
-    expect(status_box).to_have_text(status)
+    expect(status_box).to_have_text(DONE if status is None else status)
 
 
 # A story example: greedy, the bundled model then tells "a long story about a robot" past 120 tokens
@@ -46,7 +46,9 @@ def send(page: Page, text: str, status: str | re.Pattern = "done") -> None:
 STORIES = ("Stories\n\nQ: Tell me a story about a cat.\nOnce upon a time, a cat lived in a small house by the sea. "
            "Every morning she walked along the beach, and every evening she told the fishermen what she had seen. "
            "One day she found a bottle with a letter inside, and that was the start of a long journey.\n")
-FINAL = re.compile(r"^\s*(done\s*|error: [\s\S]*)$")  # the element's text has surrounding whitespace
+# (the element's text has surrounding whitespace; "done · ended by …" where the model did not end its answer)
+FINAL = re.compile(r"^\s*(done( · [^\n]*)?\s*|error: [\s\S]*)$")
+DONE = re.compile(r"^\s*done( · ended by [^\n·]*)?\s*$")  # (tests' tiny max_new_tokens: "ended by max_length …")
 
 
 def model_parts(page: Page) -> list[str]:
@@ -102,11 +104,11 @@ def test_search_question_ends_cleanly_with_the_definition(open_page):
 def test_tiny_max_length_stops_with_max_length(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 1)
-    send(page, "Hi")
+    send(page, "Hi", status="done · ended by max_length (max_new_tokens)")  # (the status says why: no answer)
     tokens = int(re.search(r"This chat: (\d+) tokens", page.locator("#stats").inner_text())[1])
     set_number(page, "max-length", tokens + 24)
     set_number(page, "max-new-tokens", 64)
-    send(page, "Write a very long story about a dragon.")
+    send(page, "Write a very long story about a dragon.", status="done · ended by max_length (session max_length)")
     assert "stop: max_length (session max_length)" in model_parts(page)[-1]
     send(page, "And another one?", status=re.compile(r"^\s*error: the context is full"))
     expect(page.locator("#status")).to_contain_text("start a new chat")
@@ -175,7 +177,7 @@ def test_stop_cancels_generation(open_page):
     expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
     expect(bot_messages(page).last).to_contain_text(re.compile(r"\w+ \w+ \w+"), timeout=TURN_MS)
     page.locator("#stop").click()
-    expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
+    expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)  # (stopped: no "ended by")
     last = model_parts(page)[-1]
     assert "stop: stopped by user" in last
     generated = int(re.search(r"(\d+) generated", last)[1])
@@ -224,7 +226,7 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     # ("done" alone is not the end: a turn's final status may land after the next turn has started)
     expect(page.locator("#chat")).not_to_contain_text("waiting for the model", timeout=3 * TURN_MS)
     expect(bot_messages(page).filter(has_not=page.locator(".thought-group"))).to_have_count(3, timeout=3 * TURN_MS)
-    expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)
+    expect(page.locator("#status")).to_have_text(DONE, timeout=TURN_MS)
     expect(user_messages(page)).to_have_text(
         ["Write a long story about a robot who learns to paint.", "What is 3 + 4?", "Say hi"])
     assert len(model_parts(page)) == 3
