@@ -60,9 +60,15 @@ def _writes_a_number(text: str) -> bool:
     return text.lstrip()[:1] in _NUMBER_START
 
 
+# What, right after a number, goes on with it: a digit; a point or comma and a digit; an exponent
+_GOES_ON = re.compile(r"\d|[.,]\d|[eE][-+]?\d")
+# What, right after a number, may still go on with it ("64." may become 64.5: the rule stays on while it may)
+_MAY_GO_ON = re.compile(r"[.,]?|[eE][-+]?")
+
+
 def _goes_on_a_number(rest: str) -> bool:
-    """Whether `rest`, written right after a number, continues it (a digit, or a decimal point and a digit)."""
-    return rest[:1].isdigit() or (rest[:1] == "." and rest[1:2].isdigit())
+    """Whether `rest`, written right after a number, continues it."""
+    return _GOES_ON.match(rest) is not None
 
 
 def number_allows(written: str, number: str, text: str) -> bool:
@@ -153,11 +159,15 @@ class AnswerLine:
 
     @property
     def number_due(self) -> str | None:
-        """While the answer line may still write the Calculator's number: its text after `Result =` so far."""
+        """While the number's rule holds, the answer line's text after `Result =` so far: until the Calculator's
+        number is whole, and after it while what follows may still go on with it ("64." could be 64.5)."""
         if self._number is None or not self.on_answer:
             return None
         written = self._line.lstrip()[len(self._prefix):]
-        return written if self._number.startswith(written) else None  # (not begun, begun, or whole)
+        if self._number.startswith(written):  # (not begun, or begun)
+            return written
+        whole = written.startswith(self._number) and _MAY_GO_ON.fullmatch(written[len(self._number):])
+        return written if whole else None  # (whole, and what follows may still go on with it)
 
     @property
     def number(self) -> str | None:
@@ -269,9 +279,9 @@ class AnswerGrammar:
         tag = "" if state is None else "<" + state
         banned = self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
         written, number = line.number_due, line.number
-        if number is None or written != number or state is not None:
+        if number is None or written is None or not written.startswith(number) or state is not None:
             return banned  # (the number not yet whole: allowed(), not a ban)
-        key = ("number", number, written)  # right after the number: those that go on with it
+        key = ("number", number, written)  # right after the number ("64", "64."): those that go on with it
         if key not in self._banned:
             import torch
 
@@ -285,7 +295,7 @@ class AnswerGrammar:
         go on with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary
         (which cost 20 chats at once ~1 s a turn)."""
         written, number = line.number_due, line.number
-        if written is None or written == number or line.open_tag is not None:
+        if written is None or written.startswith(number) or line.open_tag is not None:
             return None
         key = ("allowed", number, written)
         if key not in self._banned:

@@ -209,6 +209,7 @@ def test_tiny_exact_numbers_are_computed_or_a_clear_error_never_a_silent_zero(ex
     ("10 divided by 4", "2.5"), ("3 plus 4", "7"), ("3 minus 7", "-4"), ("10 percent of 50", "5"),
     ("7 multiplied by 6", "42"), ("5!", "120"),  # regression: "what is 5!" -> "could not parse '5!'"
     ("5 factorial", "120"), ("factorial of 6", "720"), ("3! + 1", "7"), ("factorial(5)", "120"),
+    ("2 times -3", "-6"), ("10 to the power of -2", "0.01"), ("3 - 7?", "-4"),  # (review)
 ])
 def test_operators_in_words_between_numbers(expression: str, expected: str) -> None:
     assert calculate(expression) == expected

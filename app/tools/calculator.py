@@ -53,7 +53,7 @@ _IN_WORDS = [(re.compile(rf"\b(?:the\s+)?square\s+root\s+of\s+({_NUMBER})", re.I
              (re.compile(rf"\bfactorial\s+of\s+({_NUMBER})", re.IGNORECASE), r"factorial(\1)")]
 _OPERATOR_WORDS = {r"times": "*", r"multiplied\s+by": "*", r"divided\s+by": "/", r"plus": "+", r"minus": "-",
                    r"to\s+the\s+power\s+of": "**"}
-_IN_WORDS += [(re.compile(rf"(?<=[\d)])\s+{words}\s+(?=[\d(.])", re.IGNORECASE), symbol)
+_IN_WORDS += [(re.compile(rf"(?<=[\d)])\s+{words}\s+(?=[-+]?[\d(.])", re.IGNORECASE), symbol)
               for words, symbol in _OPERATOR_WORDS.items()]
 
 _OPERATOR_NAMES = {
@@ -110,7 +110,7 @@ def _prepare(expression: str) -> str:
     text = expression.strip()
     for old, new in _REPLACEMENTS.items():
         text = text.replace(old, new)
-    text = re.sub(r"[\s=]+$", "", text)  # "12*3 =" -> "12*3"
+    text = re.sub(r"[\s=?]+$", "", text)  # "12*3 =" -> "12*3"; "3 - 7?" -> "3 - 7" (Search passes it on)
     for words, symbols in _IN_WORDS:
         text = words.sub(symbols, text)
     text = _THOUSANDS.sub(_merge_thousands, text)

@@ -100,8 +100,9 @@ def get_tools(names: Iterable[str] | None = None) -> dict[str, Tool]:
     return selected
 
 
-def run_tool(tools: Mapping[str, Tool], name: str, query: str) -> ToolResult:
-    """Run one tool call; every outcome, including a crash inside the tool, is a ToolResult."""
+def run_tool(tools: Mapping[str, Tool], name: str, query: str, *, passed_on: bool = False) -> ToolResult:
+    """Run one tool call; every outcome, including a crash inside the tool, is a ToolResult. A query is passed on
+    (Misrouted) once at most: two tools that pass it to each other end with the second one's error."""
     tool = find_tool(tools, name)
     if tool is None:
         return ToolResult(f"unknown tool {name} (available: {', '.join(tools)})", ok=False)
@@ -109,9 +110,9 @@ def run_tool(tools: Mapping[str, Tool], name: str, query: str) -> ToolResult:
         text = tool.function(query)
     except Misrouted as exc:
         other = find_tool(tools, exc.tool)
-        if other is None or other is tool:
+        if other is None or other is tool or passed_on:
             return ToolResult(f"error: {exc}", ok=False)
-        return replace(run_tool(tools, other.name, query), ran=other.name)
+        return replace(run_tool(tools, other.name, query, passed_on=True), ran=other.name)
     except ToolError as exc:
         hint = f"; {exc.hint[1]}" if exc.hint and find_tool(tools, exc.hint[0]) else ""
         return ToolResult(f"error: {exc}{hint}", ok=False)
