@@ -1,7 +1,8 @@
 """A safe calculator for model-written arithmetic. Pure standard library, never `eval`.
 
 `calculate("12*(3+4)") -> "84"`. The text is normalised (×, ÷, ^, unicode minus, thousands
-separators, a trailing `=`), parsed with `ast.parse(mode="eval")` and walked with an
+separators, a trailing `=` or `?`, operators in words between numbers: "square root of 2",
+"15 times 4", "5!"), parsed with `ast.parse(mode="eval")` and walked with an
 allowlist; the numbers it computes with, their size bounds and how a result is printed are
 app.tools.numbers. Every bound is checked before the work it guards is done, so no input can
 hang the process or exhaust memory:
