@@ -182,25 +182,26 @@ class ChatService(ApiHandlers):
         return kv_reserve(session, loaded.kv_bytes_per_token, use_cache, self.backend.shares_prefix, rows)
 
     # ---- page events ----------------------------------------------------------------------------------------
-    def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature,
-                       tools) -> tuple[Engine, Settings]:
+    def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
+                       seed=0) -> tuple[Engine, Settings]:
         """The engine for the checked tools and the page's settings, checked against its model."""
-        settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
+        settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed)
         engine = self.engine_for(list(tools or []))
         return engine, settings.validated(engine.context_limit)
 
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-             request: gr.Request, ticket: int | None = None, sent: int | None = None) -> Iterator[tuple]:
-        """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `ticket`: the
-        Stop ticket taken when the page submitted it, `sent`: its number among the waiting messages (submit)."""
+             request: gr.Request, seed=0, ticket: int | None = None, sent: int | None = None) -> Iterator[tuple]:
+        """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `seed`: where a new
+        chat's sampling starts; `ticket`: the Stop ticket taken when the page submitted it, `sent`: its number
+        among the waiting messages (submit). (The page's inputs come in the parameters' order, `request` apart.)"""
         key = request.session_hash
         entry = self.store.get(key)
         with entry.turn_order:  # (a turn of this visitor's that is still running ends first)
             yield from self._chat(entry, key, message or "", ticket, sent, use_cache, max_length, max_new_tokens,
-                                  max_turns, temperature, tools, prompt)
+                                  max_turns, temperature, tools, prompt, seed)
 
     def _chat(self, entry, key: str, message: str, ticket: int | None, sent: int | None, use_cache, max_length,
-              max_new_tokens, max_turns, temperature, tools, prompt) -> Iterator[tuple]:
+              max_new_tokens, max_turns, temperature, tools, prompt, seed) -> Iterator[tuple]:
         cancel = entry.chat_stop.begin(ticket)
 
         def view(status, textbox=None, partial=None, full=False):
@@ -224,7 +225,7 @@ class ChatService(ApiHandlers):
         try:
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools)
+                                                   tools, seed)
             question = clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt), question)
             partial: str | None = None
@@ -293,7 +294,7 @@ class ChatService(ApiHandlers):
         return self.store.get(request.session_hash).batch_stop.ticket()
 
     def chat_page(self, submitted: dict | None, use_cache, max_length, max_new_tokens, max_turns, temperature,
-                  tools, prompt, request: gr.Request) -> Iterator[tuple]:
+                  tools, prompt, request: gr.Request, seed=0) -> Iterator[tuple]:
         """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
         status (done / error)."""
         submitted = submitted or {}
@@ -303,14 +304,15 @@ class ChatService(ApiHandlers):
             yield (gr.skip(),) * 8
             return
         for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
-                                temperature, tools, prompt, request, submitted.get("ticket"), submitted.get("sent")):
+                                temperature, tools, prompt, request, seed, submitted.get("ticket"),
+                                submitted.get("sent")):
             if output[2] == "running":
                 yield (*output, gr.skip(), gr.skip(), gr.skip())
             else:
                 yield (*output, *self.timing(request))
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-                request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
+                request: gr.Request, seed=0, ticket: int | None = None) -> Iterator[tuple]:
         """The current question with the cache on and off, side by side, on forks of this visitor's session (the
         chat is unchanged); with an empty message box, the chat's last turn again, from where it was asked (so
         the cached run can be checked against the chat's own answer). Yields (result markdown, status)."""
@@ -327,7 +329,7 @@ class ChatService(ApiHandlers):
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
                 question = last
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools)
+                                                   tools, seed)
             prompt = clean_prompt(prompt)
             session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
@@ -349,13 +351,13 @@ class ChatService(ApiHandlers):
         return format_items(builtin_questions())
 
     def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-              request: gr.Request, ticket: int | None = None) -> Iterator[tuple]:
+              request: gr.Request, seed=0, ticket: int | None = None) -> Iterator[tuple]:
         """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
         cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
         try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools)
+                                                   tools, seed)
             prompt = clean_prompt(prompt)
         except Exception as error:  # handler boundary
             yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)

@@ -29,7 +29,7 @@ def clean_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature) -> Settings:
+def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0) -> Settings:
     """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors."""
     def number(name, value, kind):
         if value is None or value == "":
@@ -49,6 +49,7 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature)
         max_new_tokens=number("max_new_tokens", max_new_tokens, int),
         max_turns=number("max_turns", max_turns, int),
         temperature=number("temperature", temperature, float),
+        seed=number("seed", seed, int),
     )
 
 

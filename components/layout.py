@@ -91,9 +91,10 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     max_turns = gr.Number(DEFAULTS.max_turns, label="max_turns (tool calls per answer)",
                                           elem_id="max-turns", step=1)
                     temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05,
-                                            label="temperature (0 = greedy; sampling starts from seed 0 in every "
-                                                  "new chat, so it repeats)",
-                                            elem_id="temperature")
+                                            label="temperature (0 = greedy)", elem_id="temperature")
+                    seed = gr.Number(DEFAULTS.seed, label="seed (sampling: a new chat starts from it, so the same "
+                                                          "seed gives the same answers)", elem_id="seed", step=1,
+                                     minimum=0)
                     names = tool_names()
                     tools = gr.CheckboxGroup(names, value=names, label="Tools", elem_id="tools")
                     prompt = gr.Textbox(default_prompt_template(), elem_id="system-prompt", lines=3, max_lines=8,
@@ -109,7 +110,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # tickets of Compare and Batch (hidden: their values travel with each queued event)
         submitted = gr.JSON(visible=False)
         compare_ticket, batch_ticket = gr.Number(visible=False), gr.Number(visible=False)
-        settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt]
+        settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed]
         turn_inputs = [msg, *settings_inputs]
         charts_outputs = [timing, timing_ms, timing_text]
         turn_outputs = [chat, msg, status, tokens, stats, *charts_outputs]

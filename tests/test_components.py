@@ -155,8 +155,9 @@ def test_shared_prompt_caches_show_in_stats_and_count_in_the_budget(tiny_llama):
 
 # ---- settings ---------------------------------------------------------------------------------------------
 def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
-    s = make_settings(False, 300, 8.0, 2, 0)
-    assert (s.use_cache, s.max_length, s.max_new_tokens, s.max_turns, s.temperature) == (False, 300, 8, 2, 0.0)
+    s = make_settings(False, 300, 8.0, 2, 0, 42.0)
+    assert (s.use_cache, s.max_length, s.max_new_tokens, s.max_turns, s.temperature, s.seed) == (
+        False, 300, 8, 2, 0.0, 42)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.max_length = 5
     assert inputs.DEFAULTS.max_length == 2048 and inputs.DEFAULTS.use_cache  # the shared defaults untouched
@@ -289,6 +290,25 @@ def make_service(tiny_llama, plan=None, eos_ids=None):
     service.warm_up()  # prefill the shared prompt now, so plan step 0 is the first generated token
     loaded.model.step = 0
     return service, loaded
+
+
+def test_the_seed_field_sets_where_a_new_chats_sampling_starts(tiny_llama):
+    """Found not fixed before: the page had no seed, so sampling started from seed 0 in every new chat and a
+    visitor got the same sampled answers again; the same seed still gives the same answer (new chats, sampling)."""
+    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+
+    def sampled(key: str, seed) -> list[int]:
+        list(service.chat("Tell me something", True, 4096, 12, 0, 1.0, [], default_prompt_template(), request(key),
+                          seed))
+        return service.store.peek(key).session.episodes[-1].token_ids
+
+    assert sampled("a", 7) == sampled("b", 7.0) != sampled("c", 8)
+    *_, (_, _, status, *_) = service.chat("Hi", True, 4096, 4, 0, 1.0, [], default_prompt_template(), request("d"),
+                                          1.5)
+    assert status == "error: seed must be a whole number, not 1.5"
+    *_, (_, _, status, *_) = service.chat("Hi", True, 4096, 4, 0, 1.0, [], default_prompt_template(), request("e"),
+                                          -1)
+    assert status.startswith("error: seed must be between 0 and")
 
 
 def plain(status: str) -> str:
@@ -476,7 +496,7 @@ def test_a_turns_done_says_so_while_a_compare_of_the_visitors_still_runs(tiny_ll
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
     page_turn(service, service.submit("first", [], request())[1], max_new_tokens=3)
     compare = service.compare("", True, 4096, 3, 4, 0, ["Calculator", "Search"], default_prompt_template(), request(),
-                              service.ticket(request()))
+                              ticket=service.ticket(request()))
     assert next(compare)[1] == "running: compare (cache on, then off)"
     status = page_turn(service, service.submit("second", [], request())[1], max_new_tokens=3)[2]
     assert plain(status) == "done · compare still running"

@@ -322,7 +322,7 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
     loaded.model.forward = forward_then_stop
     ticket = service.ticket(request())
     text, status = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
-                                        ticket))[-1]
+                                        ticket=ticket))[-1]
     assert status == "done (stopped by user)" and text.count("stopped by user") == 3  # both runs + the verdict
     assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
     assert loaded.model.step < 20
