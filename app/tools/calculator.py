@@ -226,8 +226,8 @@ def _evaluate(node: ast.expr) -> Number:
     raise ToolError(_describe(node))  # unreachable after _check
 
 
-def calculate(expression: str) -> str:
-    """Evaluate arithmetic text and return the result as text; ToolError on any rejection."""
+def _checked(expression: str) -> ast.Expression:
+    """The expression's syntax tree, every check passed (nothing computed yet); ToolError on any rejection."""
     if not isinstance(expression, str):
         raise ToolError("expression must be text")
     if len(expression) > MAX_INPUT_CHARS:
@@ -238,6 +238,22 @@ def calculate(expression: str) -> str:
     _not_words(text)
     tree = _parse(text)
     _check(tree)
+    return tree
+
+
+def reads(expression: str) -> bool:
+    """Whether this is arithmetic the calculator takes (it may still fail to compute it: 1/0), without computing
+    it: how Search tells a sum sent to it (app.tools.search.is_arithmetic)."""
+    try:
+        _checked(expression)
+    except ToolError:
+        return False
+    return True
+
+
+def calculate(expression: str) -> str:
+    """Evaluate arithmetic text and return the result as text; ToolError on any rejection."""
+    tree = _checked(expression)
     try:
         value = _evaluate(tree.body)
     except ToolError:

@@ -49,10 +49,7 @@ CLOSEST = 0.7  # difflib ratio for "did you mean": skewernet -> sneakernet 0.74;
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
-# Two numbers and an operator between them, and nothing else ("2 + 2", "(3 * 4) / 2"): a sum sent to the wrong
-# tool. (The Jargon File's only headwords of digits alone are 0, 2 and 404, which stay look-ups.)
-_ARITHMETIC = re.compile(r"[\d\s.,()+\-*/×÷^%=]*\d\s*[-+*/×÷^%]\s*[\d(][\d\s.,()+\-*/×÷^%=]*")
-_NUMBER_ALONE = re.compile(r"[-+]?[\d.,]+")
+_NUMBER_ALONE = re.compile(r"[-+]?[\d.,]+")  # a look-up even where the Calculator reads it: "404"
 
 
 @dataclass(frozen=True)
@@ -315,21 +312,12 @@ def first_entry(output: str) -> str:
 
 
 def is_arithmetic(query: str) -> bool:
-    """Whether a query is a sum for the Calculator: numbers with an operator between them, or text with a digit
-    that the Calculator reads ("square root of 2", "15 times 4"); never a number alone (the Jargon File's 0, 2
-    and 404 are headwords)."""
-    from app.tools.calculator import calculate
+    """Whether a query is a sum for the Calculator: text with a digit that the Calculator reads ("2 + 2", "1/0",
+    "square root of 2", "15 times 4"); never a number alone (the Jargon File's 0, 2 and 404 are headwords)."""
+    from app.tools.calculator import reads
 
     text = query.strip()
-    if _ARITHMETIC.fullmatch(text):
-        return True
-    if not any(char.isdigit() for char in text) or _NUMBER_ALONE.fullmatch(text):
-        return False
-    try:
-        calculate(text)
-    except ToolError:
-        return False
-    return True
+    return any(char.isdigit() for char in text) and not _NUMBER_ALONE.fullmatch(text) and reads(text)
 
 
 def search_tool(query: str) -> str:
