@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from app.engine import Session
-from app.kvcache import GROW_TOKENS
+from app.kvcache import TokenCache, room_for
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,21 @@ def budget_from_env(default_mb: float = 512) -> int:
     return int(float(os.environ.get("KV_BUDGET_MB", default_mb)) * MB)
 
 
+# Tokens a job is expected to add, for its reservation: a turn added 34-79 (median 46) on the bundled model, for a
+# question, its tool call and result and the answer (25 turns: the load test's and concurrency_bench's questions).
+# A job that adds more still runs: the reservation paces admission; a running session's cache is never dropped.
+TURN_TOKENS = 64
+
+
 def kv_reserve(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True,
                rows: int = 1) -> int:
     """What a model job reserves under the KV budget while it runs (SessionStore.turn_slot): `rows` runs from
-    `session`'s point, each holding up to GROW_TOKENS more tokens in a cache that grows in GROW_TOKENS steps.
-    With the cache on, that cache is the session's own part (less what it holds now: all of it again if it was
-    dropped, or for a fork that copies it); with it off, every segment recomputes the whole session in a cache
-    of its own, the shared prompt's part included."""
+    `session`'s point, each in a cache with room for TURN_TOKENS more tokens (its storage grows in steps:
+    app.kvcache.room_for). With the cache on, that cache is the session's own part (less what it holds now: all
+    of it again if it was dropped, or for a fork that copies it); with it off, every segment recomputes the
+    whole session in a cache of its own, the shared prompt's part included."""
     shared = session.prompt_tokens if use_cache and shares_prefix else 0
-    after = ((len(session.cache) - shared) // GROW_TOKENS + 2) * GROW_TOKENS * bytes_per_token
+    after = room_for(len(session.cache) - shared + TURN_TOKENS) * bytes_per_token
     return rows * max(0, after - (session.cache.nbytes if use_cache else 0))
 
 
@@ -116,6 +122,23 @@ class Entry:
         return session.cache.nbytes if session is not None else 0
 
 
+@dataclass(eq=False)
+class _Reservation:
+    """A running job's room under the budget (SessionStore.turn_slot): `bytes`, less what `grows` took on since."""
+
+    bytes: int
+    grows: TokenCache | None = None
+    start: int = field(init=False)
+
+    def __post_init__(self):
+        self.start = self.grows.nbytes if self.grows is not None else 0
+
+    def outstanding(self) -> int:
+        if self.grows is None:
+            return self.bytes
+        return min(self.bytes, max(0, self.bytes - (self.grows.nbytes - self.start)))
+
+
 @dataclass(frozen=True)
 class StoreStats:
     sessions: int
@@ -136,7 +159,7 @@ class SessionStore:
         self._lock = threading.Lock()  # guards the dict only; each engine Session has its own lock
         self._turns = threading.Condition()  # chat turns running (see turn_slot)
         self._running = 0
-        self._reserved = 0  # bytes the running turns reserve (see turn_slot)
+        self._reserved: list[_Reservation] = []  # the running jobs' (see turn_slot)
         self._tickets = itertools.count()  # jobs waiting for their place, in arrival order (see turn_slot)
         self._queue: list[int] = []
         # Frees KV held outside the sessions that nothing needs (a server's unread prefilled prompts), returning
@@ -262,7 +285,7 @@ class SessionStore:
 
     @contextmanager
     def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None, *, reserve: int = 0,
-                  poll_s: float = 0.1) -> Iterator[None]:
+                  grows: TokenCache | None = None, poll_s: float = 0.1) -> Iterator[None]:
         """Hold a model job's place under the KV budget (a chat turn, Compare, a batch, an `/ask`), as a serving
         engine admits a request only while its KV fits: a job starts when the sessions' caches, the shared prompts
         and what the running jobs reserve fit the budget (idle sessions' caches are dropped first), or when no
@@ -272,27 +295,36 @@ class SessionStore:
         all start against the same free room (20 chats at once peaked at 259 MB under a 64 MB budget). Waiting
         jobs start in the order they came: a later one that fits does not pass one that needs more room (20 chats
         under 64 MB: p95 first text 8.9-10.9 s when any that fitted went first, 4.5 s in order). A job stopped
-        while it waits starts at once (and stops at its first step)."""
+        while it waits starts at once (and stops at its first step).
+
+        `grows`: the session cache the reservation is for (a chat turn's, an `/ask`'s). What it takes on while the
+        job runs is held, counted with the sessions' caches, and no longer reserved: counted twice, a turn
+        looked as large again as it was by its end (20 chats under 64 MB peaked at 50-52 MB with the rest unused
+        while turns waited)."""
         with self._turns:
             ticket = next(self._tickets)
             self._queue.append(ticket)
             try:  # in arrival order: the first waiting job starts when it fits, or when no job runs
                 while not (cancel is not None and cancel.is_set()) and (
                         self._queue[0] != ticket or
-                        self._running and self._over_budget(shared_bytes() + self._reserved + reserve)):
+                        self._running and self._over_budget(shared_bytes() + self._outstanding() + reserve)):
                     self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
             finally:
                 self._queue.remove(ticket)
                 self._turns.notify_all()  # (the next in line may fit now)
             self._running += 1
-            self._reserved += reserve
+            reservation = _Reservation(reserve, grows)
+            self._reserved.append(reservation)
         try:
             yield
         finally:
             with self._turns:
                 self._running -= 1
-                self._reserved -= reserve
+                self._reserved.remove(reservation)
                 self._turns.notify_all()
+
+    def _outstanding(self) -> int:
+        return sum(r.outstanding() for r in self._reserved)
 
     def _over_budget(self, shared_bytes: int) -> bool:
         return self._drop_to_budget(shared_bytes)[1] > self.budget_bytes

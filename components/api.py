@@ -83,7 +83,8 @@ class ApiHandlers:
             text = ""
             cancel = entry.chat_stop.begin(None)
             reserve = self.kv_reserve(session, values.use_cache)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
+            grows = session.cache if values.use_cache else None  # (the store counts what it holds)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve, grows=grows):
                 for events in in_batches(engine.turn(session, message, values, cancel=cancel), cancel):
                     before = len(text)
                     for event in events:

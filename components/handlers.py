@@ -235,7 +235,8 @@ class ChatService(ApiHandlers):
             session = self.prepare(entry, engine, settings, clean_prompt(prompt), question)
             partial: str | None = None
             reserve = self.kv_reserve(session, settings.use_cache)  # (it waits while running jobs fill the budget)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
+            grows = session.cache if settings.use_cache else None  # (the store counts what it holds)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve, grows=grows):
                 # (the turn runs at the model's pace; each update shows everything that arrived since the last)
                 for events in in_batches(engine.turn(session, message, settings, cancel=cancel), cancel):
                     entry.waiting.pop(sent, None)  # started: the episode shows it from now on

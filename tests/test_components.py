@@ -17,7 +17,7 @@ import pytest
 from app.decoding import Limit, Stop, StopReason
 from app.engine import Engine, Episode, InputError, Segment, Span, default_prompt_template
 from app.kvcache import GROW_TOKENS, kv_nbytes
-from app.sessions import MB, SessionStore, StoreStats
+from app.sessions import MB, TURN_TOKENS, SessionStore, StoreStats
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
 from components import inputs
@@ -249,21 +249,22 @@ def test_a_prompt_let_go_of_while_a_batch_row_reads_it_counts_until_nothing_does
     assert engine.shared_kv() == []
 
 
-def test_a_model_job_reserves_what_its_caches_will_hold_after_one_growth_step(tiny_llama):
-    """SessionStore.turn_slot's reservation (app.sessions.kv_reserve): room for GROW_TOKENS more tokens beyond
-    what the session holds; the whole cache again when it was dropped; with the cache off, the whole session
-    (the shared prompt too) in a cache of its own; per row."""
+def test_a_model_job_reserves_what_its_caches_will_hold_after_a_turn(tiny_llama):
+    """SessionStore.turn_slot's reservation (app.sessions.kv_reserve): the room its cache will have after
+    TURN_TOKENS more tokens, less what the session holds; the whole cache again when it was dropped; with the
+    cache off, the whole session (the shared prompt too) in a cache of its own; per row."""
     service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     turn(service, "hi", max_new_tokens=2, max_turns=0)
     session = service.store.peek("page-1").session
-    step = GROW_TOKENS * tiny_llama.kv_bytes_per_token
-    assert 0 < len(session.cache) - session.prompt_tokens < GROW_TOKENS  # its own tokens ...
-    assert session.cache.nbytes == step  # ... in one step of room
-    assert service.kv_reserve(session) == step  # one more step
-    off = (len(session.cache) // GROW_TOKENS + 2) * step
+    per_token, own = tiny_llama.kv_bytes_per_token, len(session.cache) - session.prompt_tokens
+    assert 0 < own < GROW_TOKENS  # its own tokens ...
+    assert session.cache.nbytes == GROW_TOKENS * per_token  # ... in one step of room
+    after = ((own + TURN_TOKENS) // GROW_TOKENS + 1) * GROW_TOKENS * per_token
+    assert service.kv_reserve(session) == after - GROW_TOKENS * per_token
+    off = ((len(session.cache) + TURN_TOKENS) // GROW_TOKENS + 1) * GROW_TOKENS * per_token
     assert service.kv_reserve(session, use_cache=False) == off and service.kv_reserve(session, False, rows=3) == 3 * off
     session.cache.drop_kv()
-    assert service.kv_reserve(session) == 2 * step
+    assert service.kv_reserve(session) == after
 
 
 @pytest.mark.parametrize("job", ["ask", "compare", "batch"])

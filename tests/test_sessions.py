@@ -125,6 +125,34 @@ def test_running_turns_reserve_room_for_what_they_add():
     thread.join()
 
 
+def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
+    """Regression (load test, 20 chats under 64 MB): a turn's reservation stayed whole while its session's cache
+    filled it, so what it took on counted twice and turns waited with the budget's room unused (peak 50-52 MB
+    of 64). A reservation for a cache the store counts (`grows`) shrinks as the cache grows, never below 0;
+    one for a cache the store does not see (an `/ask`'s session, Compare's forks) stays whole."""
+    store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
+    running = filled(store, {"a": 10})["a"]
+    started = threading.Event()
+
+    def second():
+        with store.turn_slot(lambda: 40, reserve=20):
+            started.set()
+
+    with running.lock, store.turn_slot(lambda: 40, reserve=30, grows=running.cache):  # 40 + 10 held + 30
+        running.cache.nbytes = 40  # it took on its 30: 40 + 40 held + 0 reserved (counted twice: 110)
+        assert store._outstanding() == 0
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert started.wait(5)  # 40 + 40 + 20 = 100 fits
+        thread.join()
+        running.cache.nbytes = 25  # (15 taken on: 15 still reserved)
+        assert store._outstanding() == 15
+        running.cache.nbytes = 60  # past it: all held, none reserved
+        assert store._outstanding() == 0
+    with store.turn_slot(lambda: 40, reserve=30):  # (no cache given: the reservation stays whole)
+        assert store._outstanding() == 30
+
+
 def test_jobs_waiting_for_room_start_in_the_order_they_came():
     """Regression (load test, 20 chats under a 64 MB budget, p95 first text 8.9-10.9 s): a waiting job was
     overtaken by every later one that happened to fit, so a turn that needed more room waited longest (an API
