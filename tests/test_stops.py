@@ -699,3 +699,33 @@ def test_the_calculators_number_is_kept_by_a_few_allowed_ids_not_a_ban_of_the_vo
             kept = [tokenizer.decode([i]) for i in (logits > float("-inf")).nonzero().flatten()]
             assert kept and all(number_allows(line.number_due, " -24", text) for text in kept), kept
         line.push(piece)
+
+
+def test_the_number_rules_states_are_shared_and_allow_what_number_allows_says(tokenizer):
+    """Regression (py-spy of the server under the load test): the state right after the number was keyed by the
+    number, so each Calculator result scanned the ~3,000 number tokens again (~15 ms in the scheduler's thread,
+    every row waiting), and each new number found the tokens that are a part of it by scanning the ~32,000 whose
+    text starts with " " (13 ms). One state now serves every number; token by token, what the line may take is
+    what number_allows says (brute force over the vocabulary)."""
+    from app.answer_line import AnswerGrammar, AnswerLine, breaks_the_line, number_allows
+
+    grammar = AnswerGrammar(tokenizer)
+    texts = [grammar.text(i) for i in range(len(tokenizer))]
+    for number in ["707", "-24", "1.5"]:
+        due = " " + number
+        line = AnswerLine(after_tool=True, number=number)
+        for piece in ["\n", "Result", " ="]:
+            line.push(piece)
+        allowed = set(grammar.allowed(line).tolist())  # nothing of the number written yet
+        rest = due[len(line.number_due):]
+        assert allowed == {i for i, text in enumerate(texts) if text and (rest.startswith(text) and text != rest or
+                                                                         text.startswith(rest) and number_allows(line.number_due, due, text))}
+        for after in ["", "."]:
+            line = AnswerLine(after_tool=True, number=number)
+            for piece in ["\n", "Result", " =", due, after]:
+                line.push(piece)
+            kept = grammar.mask(torch.zeros(len(texts)), line) > float("-inf")
+            for i, text in enumerate(texts):
+                if text.lstrip()[:1] in "0123456789.,-+eE" and not breaks_the_line(text):
+                    assert bool(kept[i]) == number_allows(line.number_due, due, text), (number, after, text)
+    assert sorted(key[1] for key in grammar._banned if key[0] == "number") == ["", "."]
