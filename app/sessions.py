@@ -297,10 +297,10 @@ class SessionStore:
         under 64 MB: p95 first text 8.9-10.9 s when any that fitted went first, 4.5 s in order). A job stopped
         while it waits starts at once (and stops at its first step).
 
-        `grows`: the session cache the reservation is for (a chat turn's, an `/ask`'s). What it takes on while the
-        job runs is held, counted with the sessions' caches, and no longer reserved: counted twice, a turn
-        looked as large again as it was by its end (20 chats under 64 MB peaked at 50-52 MB with the rest unused
-        while turns waited)."""
+        `grows`: the cache the reservation is for, where the store counts it (a chat turn's or `/chat`'s session;
+        not `/ask`'s or Compare's). What it takes on while the job runs is held, counted with the sessions'
+        caches, and no longer reserved: counted twice, a turn looked as large again as it was by its end (20
+        chats under 64 MB peaked at 50-52 MB with the rest unused while turns waited)."""
         with self._turns:
             ticket = next(self._tickets)
             self._queue.append(ticket)

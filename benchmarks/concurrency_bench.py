@@ -1,6 +1,6 @@
 """Many chats at once on the in-process model: what the batched scheduler gives, ratios from one run.
 
-    python3 benchmarks/concurrency_bench.py                 # 1, 2, 4, 8 chats; then the batch of 8 (~1-3 min)
+    python3 benchmarks/concurrency_bench.py                 # 1, 2, 4, 8 chats; then the batch of 8 (~1 min)
     python3 benchmarks/concurrency_bench.py --chart FILE.png  # ... and a chart of tokens/s and p95 TTFT
 
 Each chat is a fresh session on the default prompt, greedy, the page's settings; it asks a calculator question
@@ -10,7 +10,7 @@ second over the whole round. Then `Engine.run` with 8 questions against the same
 
 Every measurement is taken `--repeat` times (default 3), the rounds of each size in turn (1, 2, 4, 8, 1, 2, ...),
 and the table shows medians: one round of one chat lasts ~0.4 s, and on a noisy machine a single one moved every
-ratio by 10-20 % (one chat alone 137-164 tokens/s in three runs of one sitting).
+ratio by 10-20 % (one chat alone 137-164 tokens/s in four runs of one sitting).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def main() -> int:
           f"worst turn / its solo turn |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rounds:
-        print(f"| {r['chats']} | {r['tokens']:.0f} | {r['tps']:.1f} | {r['tps'] / solo['tps']:.2f} | {r['ttft_p95']:.2f} | "
-              f"{r['ttft_p95'] / solo['ttft_p95']:.2f} | {r['turn_p95']:.2f} | {r['worst']:.2f} |")
+        print(f"| {r['chats']} | {r['tokens']:.0f} | {r['tps']:.1f} | {r['tps'] / solo['tps']:.2f} | "
+              f"{r['ttft_p95']:.2f} | {r['ttft_p95'] / solo['ttft_p95']:.2f} | {r['turn_p95']:.2f} | {r['worst']:.2f} |")
 
     batch_questions = [questions(c)[c % 2] for c in range(8)]
     sequential, together, same = [], [], True
