@@ -9,9 +9,10 @@ time the handler comes back it takes every event that arrived meanwhile and rend
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -57,3 +58,37 @@ def in_batches(events: Iterator[T], cancel: threading.Event) -> Iterator[list[T]
         if done is None:  # left early: stop the turn (a turn that ended or failed is over already)
             cancel.set()
         thread.join()
+
+
+def closes_elsewhere(handler: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+    """A streaming handler whose stream, when closed early, is closed on a thread of its own.
+
+    Why: a web framework closes a generator whose client went away (Gradio: `iterator.close()` on its event
+    loop), and closing a turn's handler waits for the turn to end (in_batches: up to one step of the model, then
+    the KV budget's place is given back), or for a batch's rows. Meanwhile the event loop served no one: every
+    visitor's stream stalled. Here the close returns at once and the handler's own close (its `finally` blocks,
+    in order) runs on a daemon thread. The wrapper is a generator function with the handler's signature, so
+    the framework reads the same inputs from it."""
+
+    @functools.wraps(handler)
+    def streaming(*args, **kwargs) -> Iterator[T]:
+        yield from _ClosedElsewhere(handler(*args, **kwargs))
+
+    return streaming
+
+
+class _ClosedElsewhere:
+    """An iterator over a generator; `close` (which `yield from` calls when its own generator is closed) hands the
+    generator's close to a thread. (The generator is suspended then: the one that delegates to it is not running.)"""
+
+    def __init__(self, inner: Iterator[T]):
+        self._inner = inner
+
+    def __iter__(self) -> _ClosedElsewhere:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._inner)
+
+    def close(self) -> None:
+        threading.Thread(target=self._inner.close, name="stream-close", daemon=True).start()

@@ -7,6 +7,7 @@ import gradio as gr
 from app.backend import concurrent_turns
 from app.config import ASSETS
 from app.engine import default_prompt_template
+from app.streaming import closes_elsewhere
 from components.batch import MAX_BATCH, empty_frame
 from components.handlers import ChatService
 from components.inputs import DEFAULTS, tool_names
@@ -106,6 +107,9 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
                                             show_inline_category=False)
 
+        # the streaming handlers, closed off Gradio's event loop when their client goes away (app.streaming)
+        chat_page, run_compare, run_batch, api_chat = map(closes_elsewhere, (
+            service.chat_page, service.compare, service.batch, service.api_chat))
         # What the page hands queued work when it is submitted: a sent message with its Stop ticket, and the
         # tickets of Compare and Batch (hidden: their values travel with each queued event)
         submitted = gr.JSON(visible=False)
@@ -118,7 +122,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                       concurrency_limit=None, show_progress="hidden", api_visibility="private")
         # the charts come with the turn's final status, so "done" means everything is shown; a message sent
         # while a turn runs queues behind it ("multiple": Gradio's default "once" drops it silently)
-        turn = dict(fn=service.chat_page, inputs=[submitted, *settings_inputs], outputs=turn_outputs, concurrency_id=MODEL,
+        turn = dict(fn=chat_page, inputs=[submitted, *settings_inputs], outputs=turn_outputs, concurrency_id=MODEL,
                     concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_turn",
                     trigger_mode="multiple")
         # Submitting (the message box emptied, Stop tickets taken) and Stop must not wait behind running work:
@@ -137,13 +141,13 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # the "cleared" turns back (the session still held them)
         chat.clear(**fresh, api_name="ui_clear_chat").then(**charts, api_name="ui_charts_clear_chat")
         compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
-            service.compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,
+            run_compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,
             show_progress="hidden", api_visibility="private", api_name="ui_compare")
         batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
         batch_run.click(service.batch_ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
-            service.batch, [batch_questions, *settings_inputs, batch_ticket], [batch_results, batch_summary, batch_status],
+            run_batch, [batch_questions, *settings_inputs, batch_ticket], [batch_results, batch_summary, batch_status],
             concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,
@@ -151,7 +155,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                   api_name="ui_load").then(**charts, api_name="ui_charts_load")
         demo.unload(service.unload)
 
-        gr.api(service.api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=turns)
+        gr.api(api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=turns)
         gr.api(service.api_ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=turns)
         gr.api(service.api_stats, api_name="stats", concurrency_id="stats", concurrency_limit=None)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)

@@ -62,3 +62,52 @@ def test_leaving_early_cancels_the_turn_and_waits_for_it_to_end():
     time.sleep(0.05)
     assert len(seen) == stopped_at < 10_000  # the producer has ended: nothing more is produced
     assert not [t for t in threading.enumerate() if t.name == "turn-events"]
+
+
+def test_a_closed_stream_returns_at_once_and_its_handler_closes_on_a_thread():
+    """Regression: Gradio closes a stream whose client went away with `iterator.close()` on its event loop, and a
+    turn's handler waits there for the turn to end (in_batches: up to one step) and gives back its place in the
+    KV budget; meanwhile every visitor's stream stalled. The wrapped handler's close returns at once; its
+    `finally` runs, in order, on a thread. Its signature is the handler's (Gradio reads the inputs from it)."""
+    import inspect
+
+    from app.streaming import closes_elsewhere
+
+    ended, proceed = [], threading.Event()
+
+    def handler(message: str, request=None, seed=0):
+        """the handler's own words"""
+        try:
+            yield from range(10)
+        finally:
+            proceed.wait(5)  # (a turn ending: the next step)
+            ended.append(message)
+
+    wrapped = closes_elsewhere(handler)
+    assert inspect.isgeneratorfunction(wrapped) and inspect.signature(wrapped) == inspect.signature(handler)
+    assert wrapped.__doc__ == handler.__doc__
+    stream = wrapped("hi")
+    assert next(stream) == 0
+    began = time.perf_counter()
+    stream.close()
+    assert time.perf_counter() - began < 0.5 and ended == []  # (not waiting for the handler's finally)
+    proceed.set()
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ended == ["hi"]
+    assert list(wrapped("all")) == list(range(10)) and ended == ["hi", "all"]  # (run to its end: as before)
+
+
+def test_the_pages_streaming_handlers_close_off_the_event_loop(tiny_llama):
+    """The page's turns, Compare and Batch, and the /chat API are registered wrapped (closes_elsewhere)."""
+    from app.sessions import MB, SessionStore
+    from components.handlers import ChatService
+    from components.layout import build_demo
+
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    demo = build_demo(service)
+    by_name = {fn.api_name: fn.fn for fn in demo.fns.values()}
+    for name, method in [("ui_turn", "chat_page"), ("ui_submit", "chat_page"), ("ui_compare", "compare"),
+                         ("ui_batch", "batch"), ("chat", "api_chat")]:
+        assert getattr(by_name[name], "__wrapped__", None) == getattr(service, method), name
