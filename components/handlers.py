@@ -107,7 +107,9 @@ class ChatService(ApiHandlers):
         decodes) and ran every kernel and tool for the first time (in process: first text 0.22 s, then 0.03 s;
         over HTTP, the load test's first turn 0.47 s, then 0.06 s)."""
         engine = self.engine_for(None)
-        engine.ask(engine.new_session(), WARM_UP_QUESTION, dataclasses.replace(DEFAULTS, max_new_tokens=16))
+        settings = dataclasses.replace(DEFAULTS, max_new_tokens=16,  # (a model server's slot may hold < 2,048)
+                                       max_length=min(DEFAULTS.max_length, engine.context_limit))
+        engine.ask(engine.new_session(), WARM_UP_QUESTION, settings)
 
     def decode(self, ids: list[int]) -> str:
         backend = self.backend

@@ -13,6 +13,7 @@ import types
 
 import gradio as gr
 import pytest
+import torch
 
 from app.decoding import Limit, Stop, StopReason
 from app.engine import Engine, Episode, InputError, Segment, Span, default_prompt_template
@@ -294,6 +295,22 @@ def test_warm_up_runs_a_turn_before_the_first_visitor(tiny_llama):
     assert "answer_grammar" not in loaded.__dict__
     service.warm_up()
     assert "answer_grammar" in loaded.__dict__ and len(service.store) == 0
+
+
+def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokenizer):
+    """Regression (review): the warm-up turn used the page's max_length, 2,048, and a model (or a server's slot:
+    `-c 4096 -np 4` holds 1,024) with a shorter context failed its check, so app.py exited before launching."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.model import wrap
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    short = wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-1024")
+    service = ChatService(loader=lambda: short, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    service.warm_up()  # (raised InputError: max_length must be between 1 and 1024)
+    assert "answer_grammar" in short.__dict__
 
 
 def make_service(tiny_llama, plan=None, eos_ids=None):
