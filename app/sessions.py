@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,15 +40,21 @@ def budget_from_env(default_mb: float = 512) -> int:
 TURN_TOKENS = 64
 
 
+def kv_after(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True) -> int:
+    """The bytes a cache run from `session`'s point holds by the end of a job: room for TURN_TOKENS more tokens
+    (its storage grows in steps: app.kvcache.room_for). With the cache on, that cache is the session's own part;
+    with it off, every segment recomputes the whole session in a cache of its own, the shared prompt's part
+    included."""
+    shared = session.prompt_tokens if use_cache and shares_prefix else 0
+    return room_for(len(session.cache) - shared + TURN_TOKENS) * bytes_per_token
+
+
 def kv_reserve(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True,
                rows: int = 1) -> int:
-    """What a model job reserves under the KV budget while it runs (SessionStore.turn_slot): `rows` runs from
-    `session`'s point, each in a cache with room for TURN_TOKENS more tokens (its storage grows in steps:
-    app.kvcache.room_for). With the cache on, that cache is the session's own part (less what it holds now: all
-    of it again if it was dropped, or for a fork that copies it); with it off, every segment recomputes the
-    whole session in a cache of its own, the shared prompt's part included."""
-    shared = session.prompt_tokens if use_cache and shares_prefix else 0
-    after = room_for(len(session.cache) - shared + TURN_TOKENS) * bytes_per_token
+    """What a model job whose caches the store does not hold (Compare's forks, a batch's rows, `/ask`'s session)
+    reserves under the KV budget while it runs (SessionStore.turn_slot): `rows` caches of kv_after, less what
+    the session holds now where the cache is on (all of it for a fork that copies it)."""
+    after = kv_after(session, bytes_per_token, use_cache, shares_prefix)
     return rows * max(0, after - (session.cache.nbytes if use_cache else 0))
 
 
@@ -124,19 +130,20 @@ class Entry:
 
 @dataclass(eq=False)
 class _Reservation:
-    """A running job's room under the budget (SessionStore.turn_slot): `bytes`, less what `grows` took on since."""
+    """A model job's room under the budget (SessionStore.turn_slot): `bytes` more, or, with `fills`, what that cache
+    will hold by the job's end, less what it holds (which the store counts with its session)."""
 
     bytes: int
-    grows: TokenCache | None = None
-    start: int = field(init=False)
+    fills: TokenCache | None = None
 
-    def __post_init__(self):
-        self.start = self.grows.nbytes if self.grows is not None else 0
-
-    def outstanding(self) -> int:
-        if self.grows is None:
+    def outstanding(self, counted: set[int]) -> int:
+        """The bytes reserved now; `counted`: the ids of the caches the store's sessions hold."""
+        if self.fills is None:
             return self.bytes
-        return min(self.bytes, max(0, self.bytes - (self.grows.nbytes - self.start)))
+        held = self.fills.nbytes
+        if id(self.fills) not in counted:  # its session left the store (a new chat meanwhile): all of it
+            return max(self.bytes, held)
+        return max(0, self.bytes - held)
 
 
 @dataclass(frozen=True)
@@ -250,19 +257,23 @@ class SessionStore:
         """
         return self._drop_to_budget(shared_bytes)[0]
 
-    def _drop_to_budget(self, shared_bytes: int) -> tuple[list[str], int]:
-        """enforce_budget's work: (the keys whose caches were dropped, the bytes held afterwards)."""
+    def _drop_to_budget(self, shared_bytes: int, jobs: Sequence[_Reservation] = ()) -> tuple[list[str], int]:
+        """enforce_budget's work, with `jobs`' reservations counted and the caches they fill kept (a job about to
+        run would recompute its own at once): (the keys whose caches were dropped, the bytes held and reserved
+        afterwards)."""
         dropped: list[str] = []
         with self._lock:
             entries = list(self._entries.items())  # oldest first
-        total = shared_bytes + sum(e.kv_bytes for _, e in entries)
+        counted = {id(e.session.cache) for _, e in entries if e.session is not None}
+        keep = {id(job.fills) for job in jobs if job.fills is not None}
+        total = shared_bytes + sum(e.kv_bytes for _, e in entries) + sum(job.outstanding(counted) for job in jobs)
         if total > self.budget_bytes and self.release_shared is not None:
             total -= self.release_shared()
         for key, entry in entries:
             if total <= self.budget_bytes:
                 break
             session = entry.session
-            if session is None or session.cache.nbytes == 0:
+            if session is None or session.cache.nbytes == 0 or id(session.cache) in keep:
                 continue
             if not session.lock.acquire(blocking=False):
                 continue
@@ -285,7 +296,7 @@ class SessionStore:
 
     @contextmanager
     def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None, *, reserve: int = 0,
-                  grows: TokenCache | None = None, poll_s: float = 0.1) -> Iterator[None]:
+                  fills: TokenCache | None = None, poll_s: float = 0.1) -> Iterator[None]:
         """Hold a model job's place under the KV budget (a chat turn, Compare, a batch, an `/ask`), as a serving
         engine admits a request only while its KV fits: a job starts when the sessions' caches, the shared prompts
         and what the running jobs reserve fit the budget (idle sessions' caches are dropped first), or when no
@@ -297,37 +308,36 @@ class SessionStore:
         under 64 MB: p95 first text 8.9-10.9 s when any that fitted went first, 4.5 s in order). A job stopped
         while it waits starts at once (and stops at its first step).
 
-        `grows`: the cache the reservation is for, where the store counts it (a chat turn's or `/chat`'s session;
-        not `/ask`'s or Compare's). What it takes on while the job runs is held, counted with the sessions'
-        caches, and no longer reserved: counted twice, a turn looked as large again as it was by its end (20
-        chats under 64 MB peaked at 50-52 MB with the rest unused while turns waited)."""
+        `fills`: the cache a job grows where the store counts it (a chat turn's or `/chat`'s session), and
+        `reserve` then what that cache will hold by the job's end (kv_after): what it holds is counted with the
+        sessions' caches and the rest is reserved, so a turn's growth counts once (counted twice, a turn looked as
+        large again as it was by its end: 20 chats under 64 MB peaked at 50-52 MB, the rest unused while turns
+        waited), and a cache dropped while its turn waited is reserved whole again. Making room drops no cache
+        that a running job, or the job being let in, fills."""
+        job = _Reservation(reserve, fills)
         with self._turns:
             ticket = next(self._tickets)
             self._queue.append(ticket)
             try:  # in arrival order: the first waiting job starts when it fits, or when no job runs
                 while not (cancel is not None and cancel.is_set()) and (
                         self._queue[0] != ticket or
-                        self._running and self._over_budget(shared_bytes() + self._outstanding() + reserve)):
+                        self._running and self._over_budget(shared_bytes(), job)):
                     self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
             finally:
                 self._queue.remove(ticket)
                 self._turns.notify_all()  # (the next in line may fit now)
             self._running += 1
-            reservation = _Reservation(reserve, grows)
-            self._reserved.append(reservation)
+            self._reserved.append(job)
         try:
             yield
         finally:
             with self._turns:
                 self._running -= 1
-                self._reserved.remove(reservation)
+                self._reserved.remove(job)
                 self._turns.notify_all()
 
-    def _outstanding(self) -> int:
-        return sum(r.outstanding() for r in self._reserved)
-
-    def _over_budget(self, shared_bytes: int) -> bool:
-        return self._drop_to_budget(shared_bytes)[1] > self.budget_bytes
+    def _over_budget(self, shared_bytes: int, job: _Reservation) -> bool:
+        return self._drop_to_budget(shared_bytes, [*self._reserved, job])[1] > self.budget_bytes
 
     def stats(self, shared_bytes: int = 0) -> StoreStats:
         with self._lock:

@@ -82,9 +82,7 @@ class ApiHandlers:
             session = self.prepare(entry, engine, values, prompt, message)
             text = ""
             cancel = entry.chat_stop.begin(None)
-            reserve = self.kv_reserve(session, values.use_cache)
-            grows = session.cache if values.use_cache else None  # (the store counts what it holds)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve, grows=grows):
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, **self.turn_room(session, values.use_cache)):
                 for events in in_batches(engine.turn(session, message, values, cancel=cancel), cancel):
                     before = len(text)
                     for event in events:

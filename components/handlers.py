@@ -22,7 +22,7 @@ from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.rewards import builtin_questions
 from app.server_backend import ServerBackend
-from app.sessions import Entry, SessionStore, kv_reserve
+from app.sessions import Entry, SessionStore, kv_after, kv_reserve
 from app.streaming import in_batches
 from app.tools.registry import default_tools, get_tools
 from components.api import ApiHandlers
@@ -181,6 +181,15 @@ class ChatService(ApiHandlers):
             engine.release_prompts(read)
         return before - self.shared_kv_bytes()
 
+    def turn_room(self, session: Session, use_cache: bool) -> dict:
+        """SessionStore.turn_slot's room for a turn of a session the store holds: with the cache on, what its cache
+        will hold by the turn's end, filled by that cache (nothing where the keys/values live on a model server)."""
+        loaded = getattr(self.backend, "loaded", None)
+        if not use_cache or loaded is None:
+            return dict(reserve=self.kv_reserve(session, use_cache))
+        return dict(reserve=kv_after(session, loaded.kv_bytes_per_token, True, self.backend.shares_prefix),
+                    fills=session.cache)
+
     def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
         """app.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""
         loaded = getattr(self.backend, "loaded", None)
@@ -236,9 +245,8 @@ class ChatService(ApiHandlers):
             question = clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt), question)
             partial: str | None = None
-            reserve = self.kv_reserve(session, settings.use_cache)  # (it waits while running jobs fill the budget)
-            grows = session.cache if settings.use_cache else None  # (the store counts what it holds)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve, grows=grows):
+            room = self.turn_room(session, settings.use_cache)  # (it waits while running jobs fill the budget)
+            with self.store.turn_slot(self.shared_kv_bytes, cancel, **room):
                 # (the turn runs at the model's pace; each update shows everything that arrived since the last)
                 for events in in_batches(engine.turn(session, message, settings, cancel=cancel), cancel):
                     entry.waiting.pop(sent, None)  # started: the episode shows it from now on

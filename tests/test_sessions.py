@@ -125,11 +125,17 @@ def test_running_turns_reserve_room_for_what_they_add():
     thread.join()
 
 
+def counted(store: SessionStore) -> int:
+    """What the store counts for its running jobs' reservations now."""
+    held = {id(e.session.cache) for e in store._entries.values() if e.session is not None}
+    return sum(job.outstanding(held) for job in store._reserved)
+
+
 def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
     """Regression (load test, 20 chats under 64 MB): a turn's reservation stayed whole while its session's cache
     filled it, so what it took on counted twice and turns waited with the budget's room unused (peak 50-52 MB
-    of 64). A reservation for a cache the store counts (`grows`) shrinks as the cache grows, never below 0;
-    one for a cache the store does not see (an `/ask`'s session, Compare's forks) stays whole."""
+    of 64). With `fills`, `reserve` is what that cache will hold by the job's end: held counts as held, the rest
+    as reserved; a job without one reserves its bytes whole (an `/ask`'s session, Compare's forks)."""
     store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
     running = filled(store, {"a": 10})["a"]
     started = threading.Event()
@@ -138,19 +144,57 @@ def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
         with store.turn_slot(lambda: 40, reserve=20):
             started.set()
 
-    with running.lock, store.turn_slot(lambda: 40, reserve=30, grows=running.cache):  # 40 + 10 held + 30
+    with running.lock, store.turn_slot(lambda: 40, reserve=40, fills=running.cache):  # 40 + 10 held + 30
+        assert counted(store) == 30
         running.cache.nbytes = 40  # it took on its 30: 40 + 40 held + 0 reserved (counted twice: 110)
-        assert store._outstanding() == 0
+        assert counted(store) == 0
         thread = threading.Thread(target=second)
         thread.start()
         assert started.wait(5)  # 40 + 40 + 20 = 100 fits
         thread.join()
-        running.cache.nbytes = 25  # (15 taken on: 15 still reserved)
-        assert store._outstanding() == 15
         running.cache.nbytes = 60  # past it: all held, none reserved
-        assert store._outstanding() == 0
+        assert counted(store) == 0
     with store.turn_slot(lambda: 40, reserve=30):  # (no cache given: the reservation stays whole)
-        assert store._outstanding() == 30
+        assert counted(store) == 30
+
+
+def test_two_jobs_filling_one_cache_each_count_what_they_will_add():
+    """Review: with each reservation less the growth since it started, two jobs on one cache (two `/chat` calls
+    of one client at once) took the same growth off twice and the budget could be overshot; each now counts its
+    end size less what the cache holds, so together they count more, never less."""
+    store = SessionStore(budget_bytes=1000, idle_timeout_s=3600)
+    cache = filled(store, {"a": 10})["a"].cache
+    with store.turn_slot(lambda: 0, reserve=40, fills=cache), store.turn_slot(lambda: 0, reserve=40, fills=cache):
+        assert counted(store) == 60  # 30 + 30
+        cache.nbytes = 30
+        assert counted(store) == 20  # 10 + 10 (and 30 held)
+
+
+def test_a_waiting_turns_cache_is_not_dropped_and_a_dropped_one_is_reserved_whole():
+    """Review: the reservation was worked out before the wait, and making room could drop the waiting turn's own
+    cache (its lock is taken only once it runs): it then needed that much more than it had reserved. Caches
+    that running or waiting jobs fill are kept; one dropped before (or a session that left the store) counts
+    its whole end size."""
+    store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
+    sessions = filled(store, {"mine": 30, "idle": 30})
+    started = threading.Event()
+
+    def waiting():
+        with store.turn_slot(lambda: 0, reserve=40, fills=sessions["mine"].cache):
+            started.set()
+
+    with store.turn_slot(lambda: 0, reserve=50):  # running: 60 held + 50 reserved
+        thread = threading.Thread(target=waiting)
+        thread.start()  # 60 + 50 + 10 > 100: the least recently used cache is its own ("mine"), kept; "idle" goes
+        assert started.wait(5)
+        thread.join()
+    assert sessions["mine"].cache.dropped == 0 and sessions["idle"].cache.dropped == 1
+    sessions["mine"].cache.drop_kv()  # dropped before its turn: all 40 again
+    with store.turn_slot(lambda: 0, reserve=40, fills=sessions["mine"].cache):
+        assert counted(store) == 40
+        store.get("mine").session = None  # a new chat: the cache left the store; it counts whole
+        sessions["mine"].cache.nbytes = 50
+        assert counted(store) == 50
 
 
 def test_jobs_waiting_for_room_start_in_the_order_they_came():
