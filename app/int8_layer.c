@@ -78,7 +78,7 @@ void combine_silu_split(const float *sums_f32, const int32_t *sums_i32, int64_t 
 
 /* ---- The same layer with its matmuls on the packed kernel (app/int8_mm.c: VNNI, or AMX tiles): the work before
  * attention in one call, the work after it in another, where a layer took ~10 calls from Python (for the inputs
- * app.int8 sends that kernel: few tokens, or any number with AMX). The same functions as above in the same order,
+ * app.int8 sends that kernel from Python: few tokens, or any number with AMX; forward_layers: any number). The same functions as above in the same order,
  * so the same bits. */
 
 /* An int8 layer as mm_int8 reads it (app/int8_layer.py builds it from an Int8Linear). */

@@ -57,7 +57,8 @@ static int amx_allowed(void) {
 #endif
 
 /* Whether inputs of any length run fast here (the tile unit, for inner sizes that are multiples of 64): else
- * mm_int8 suits few rows only, and app.int8 sends longer inputs to torch._int_mm. */
+ * app.int8 sends longer inputs from Python to torch._int_mm (~13 % faster there), while a pass of every layer in
+ * one C call (app.int8_layer's forward_layers) takes this kernel for any number. */
 int mm_int8_amx(void) {
 #if HAVE_AMX
     return amx_allowed();

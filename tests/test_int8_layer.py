@@ -246,7 +246,7 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_calls_layer_by_layer(whic
     layer in one C call; against the same calls made layer by layer from Python, each row's logits and its cache's
     keys and values bit for bit. A pass of rows decoding and drafting over a shared prefix and one after its own
     past, then one of a decoding row beside 40 new tokens (one call wherever the layers have the packed kernel,
-    for any number of tokens; layer by layer, where more than a few tokens take `_int_mm`: VNNI without AMX)."""
+    whatever the tokens; layer by layer those 41 take `_int_mm` where the packed kernel is for few: no AMX)."""
     loaded = _int8_heads64(request.getfixturevalue("tokenizer")) if which == "tiny64" else real_int8(request)
     model = loaded.model
     if not attend_rows.available(model.config):
