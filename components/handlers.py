@@ -6,65 +6,38 @@ in gr.State (KV tensors would be deep-copied per visitor and kept an hour).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import gradio as gr
 
-from app.backend import Backend, BackendError, load_backend
+from app.backend import Backend, load_backend
 from app.compare import compare
-from app.engine import (Engine, Episode, EpisodeFinished, InputError, SegmentFinished, SegmentStarted, Session,
-                        Settings, TextDelta, clean_question, default_prompt_template)
+from app.engine import (Engine, InputError, SegmentFinished, SegmentStarted, Session, Settings, TextDelta,
+                        clean_question, default_prompt_template)
 from app.kvcache import kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
-from app.rewards import builtin_questions
 from app.server_backend import ServerBackend
 from app.sessions import Entry, SessionStore, kv_after, kv_reserve
 from app.streaming import in_batches
 from app.tools.registry import default_tools, get_tools
 from components.api import ApiHandlers
-from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch,
-                              rewards)
+from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown
 from components.inputs import DEFAULTS, clean_prompt, make_settings
-from components.stats import counted, stats_markdown
+from components.stats import stats_markdown
+from components.status import done_status, failure_status
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import token_spans
 
 WARM_UP_QUESTION = "What is 1 + 1?"  # (warm_up: a turn that calls a tool, on a session nobody sees)
-log = logging.getLogger(__name__)
 
 MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the running one too): more stay in the box
 
 
-def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ended: str | None = None) -> str:
-    """A turn's or a Compare's final status, on the status line they share (`ended`: a turn's ending_note).
-    Regressions: a plain "done" landed after the visitor's next message had been sent (waiting, or already
-    started: the final update can arrive after the next turn's first), and a turn's "done" while a Compare still
-    ran; the page said done while work of theirs still ran."""
-    parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
-    done = "done (stopped by user)" if stopped else "done"
-    return " · ".join([done, *[ended] * bool(ended), *parts, *["compare still running"] * bool(comparing)])
-
-
-def failure_status(error: Exception, what: str, key: str) -> str:
-    """The status line for a handler that failed: a user mistake or a model server's failure as is, anything else
-    logged with its traceback."""
-    if isinstance(error, BackendError):
-        log.warning("%s failed for session %s: %s", what, key, error)
-    if isinstance(error, (InputError, BackendError)):
-        gr.Warning(str(error))
-        return f"error: {error}"
-    log.exception("%s failed for session %s", what, key)
-    gr.Warning(f"internal error: {error}")
-    return f"error: internal error ({type(error).__name__}: {error})"
-
-
-class ChatService(ApiHandlers):
+class ChatService(ApiHandlers, BatchTab):
     """The process's shared pieces: the model backend (loaded lazily, once: in process, or a model server when
     MODEL_SERVER_URL is set), engines by tool set, the session store."""
 
@@ -306,9 +279,6 @@ class ChatService(ApiHandlers):
         """A Stop ticket for the Chat tab's work (turns, Compare), taken when the page submits it."""
         return self.store.get(request.session_hash).chat_stop.ticket()
 
-    def batch_ticket(self, request: gr.Request) -> int:
-        return self.store.get(request.session_hash).batch_stop.ticket()
-
     def chat_page(self, submitted: dict | None, use_cache, max_length, max_new_tokens, max_turns, temperature,
                   tools, prompt, request: gr.Request, seed=0) -> Iterator[tuple]:
         """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
@@ -362,57 +332,9 @@ class ChatService(ApiHandlers):
         finally:
             entry.comparing.discard(mine)
 
-    @staticmethod
-    def builtin_batch() -> str:
-        return format_items(builtin_questions())
-
-    def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-              request: gr.Request, seed=0, ticket: int | None = None) -> Iterator[tuple]:
-        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
-        cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
-        try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
-            items = parse_batch(text)
-            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed)
-            prompt = clean_prompt(prompt)
-        except Exception as error:  # handler boundary
-            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
-            return
-        yield empty_frame(), "", "running"
-        try:
-            questions = [item.question for item in items]
-            runs: list[BatchRun] = []
-            for cached in (True, False):
-                mode = "on" if cached else "off"
-                values = dataclasses.replace(settings, use_cache=cached)
-                finished: dict[int, Episode] = {}
-                reserve = self.kv_reserve(engine.new_session(prompt), cached, rows=len(questions))
-                with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
-                    began = time.perf_counter()  # (after any wait for the budget)
-                    for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows at once
-                        if isinstance(event, EpisodeFinished):
-                            finished[event.row] = event.episode
-                            yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
-                episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
-                runs.append(BatchRun(episodes, time.perf_counter() - began, cached, stopped=cancel.is_set()))
-                if cached:  # show the rows as soon as the first pass is done
-                    yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"
-                if cancel.is_set():
-                    break
-            on, off = runs[0], (runs[1] if len(runs) > 1 else None)
-            for episode, score in zip(on.episodes, rewards(on.episodes, items)):
-                episode.reward = score
-            status = "done" if not cancel.is_set() else "done (stopped by user)"
-            yield batch_frame(on.episodes, items), batch_summary(items, on, off), status
-        except Exception as error:  # handler boundary
-            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
-
     def stop(self, request: gr.Request) -> None:
         """The Chat tab's Stop: the running turn or Compare, and every one submitted before it."""
         self.store.cancel(request.session_hash)
-
-    def stop_batch(self, request: gr.Request) -> None:
-        self.store.cancel(request.session_hash, "batch")
 
     def new_chat(self, request: gr.Request) -> tuple:
         """An empty chat, but for messages already sent and waiting (they are answered in the new chat: shown

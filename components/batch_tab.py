@@ -1,0 +1,77 @@
+"""The Batch tab's handlers: a list of questions run as one batch episode, with the cache on and then off (a mixin of
+components.handlers.ChatService, whose engines, sessions and KV budget they use, as components.api's are)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import gradio as gr
+
+from app.engine import Episode, EpisodeFinished
+from app.rewards import builtin_questions
+from components.batch import BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards
+from components.inputs import clean_prompt
+from components.status import failure_status
+
+if TYPE_CHECKING:
+    from app.sessions import SessionStore
+
+
+class BatchTab:
+    """The Batch tab's Run, Stop and built-in questions, for ChatService."""
+
+    store: SessionStore
+
+    def batch_ticket(self, request: gr.Request) -> int:
+        return self.store.get(request.session_hash).batch_stop.ticket()
+
+    @staticmethod
+    def builtin_batch() -> str:
+        return format_items(builtin_questions())
+
+    def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
+              request: gr.Request, seed=0, ticket: int | None = None) -> Iterator[tuple]:
+        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
+        cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
+        try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
+            items = parse_batch(text)
+            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
+                                                   tools, seed)
+            prompt = clean_prompt(prompt)
+        except Exception as error:  # handler boundary
+            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
+            return
+        yield empty_frame(), "", "running"
+        try:
+            questions = [item.question for item in items]
+            runs: list[BatchRun] = []
+            for cached in (True, False):
+                mode = "on" if cached else "off"
+                values = dataclasses.replace(settings, use_cache=cached)
+                finished: dict[int, Episode] = {}
+                reserve = self.kv_reserve(engine.new_session(prompt), cached, rows=len(questions))
+                with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
+                    began = time.perf_counter()  # (after any wait for the budget)
+                    for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows at once
+                        if isinstance(event, EpisodeFinished):
+                            finished[event.row] = event.episode
+                            yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
+                episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
+                runs.append(BatchRun(episodes, time.perf_counter() - began, cached, stopped=cancel.is_set()))
+                if cached:  # show the rows as soon as the first pass is done
+                    yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"
+                if cancel.is_set():
+                    break
+            on, off = runs[0], (runs[1] if len(runs) > 1 else None)
+            for episode, score in zip(on.episodes, rewards(on.episodes, items)):
+                episode.reward = score
+            status = "done" if not cancel.is_set() else "done (stopped by user)"
+            yield batch_frame(on.episodes, items), batch_summary(items, on, off), status
+        except Exception as error:  # handler boundary
+            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
+
+    def stop_batch(self, request: gr.Request) -> None:
+        self.store.cancel(request.session_hash, "batch")

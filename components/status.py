@@ -1,0 +1,36 @@
+"""The texts of the status line under the chat (and the Batch tab's): how a piece of work ended."""
+
+from __future__ import annotations
+
+import logging
+
+import gradio as gr
+
+from app.backend import BackendError
+from app.engine import InputError
+from components.stats import counted
+
+log = logging.getLogger(__name__)
+
+
+def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ended: str | None = None) -> str:
+    """A turn's or a Compare's final status, on the status line they share (`ended`: a turn's ending_note).
+    Regressions: a plain "done" landed after the visitor's next message had been sent (waiting, or already
+    started: the final update can arrive after the next turn's first), and a turn's "done" while a Compare still
+    ran; the page said done while work of theirs still ran."""
+    parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
+    done = "done (stopped by user)" if stopped else "done"
+    return " · ".join([done, *[ended] * bool(ended), *parts, *["compare still running"] * bool(comparing)])
+
+
+def failure_status(error: Exception, what: str, key: str) -> str:
+    """The status line for a handler that failed: a user mistake or a model server's failure as is, anything else
+    logged with its traceback."""
+    if isinstance(error, BackendError):
+        log.warning("%s failed for session %s: %s", what, key, error)
+    if isinstance(error, (InputError, BackendError)):
+        gr.Warning(str(error))
+        return f"error: {error}"
+    log.exception("%s failed for session %s", what, key)
+    gr.Warning(f"internal error: {error}")
+    return f"error: internal error ({type(error).__name__}: {error})"
