@@ -157,10 +157,12 @@ class ChatService(ApiHandlers, BatchTab):
     def turn_room(self, session: Session, use_cache: bool) -> dict:
         """SessionStore.turn_slot's room for a turn of a session the store holds: with the cache on, what its cache
         will hold by the turn's end, filled by that cache (nothing where the keys/values live on a model server)."""
+        if not use_cache:  # (every segment recomputes in a cache of its own, which the store does not hold)
+            return dict(reserve=self.kv_reserve(session, use_cache=False))
         loaded = getattr(self.backend, "loaded", None)
-        if not use_cache or loaded is None:
-            return dict(reserve=self.kv_reserve(session, use_cache))
-        return dict(reserve=kv_after(session, loaded.kv_bytes_per_token, True, self.backend.shares_prefix),
+        if loaded is None:
+            return {}
+        return dict(reserve=kv_after(session, loaded.kv_bytes_per_token, shares_prefix=self.backend.shares_prefix),
                     fills=session.cache)
 
     def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
