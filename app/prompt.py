@@ -12,7 +12,11 @@ is filled in with what the tool really returns and an answer copied from it:
 
 so the examples teach the model to answer from the tool's output, and stay true when a tool changes. An
 example whose tool is not in the session's tool set is left out, so the model is never shown a tool it
-cannot call. `{tools}` becomes one line per tool. Custom prompts follow the same rules.
+cannot call. `{tools}` becomes one line per tool. A greeting names the session's tools through `{abilities}`
+("a calculator and the Jargon File") and `{actions}` ("calculate or look up"): written out, a
+session with the Calculator alone answered "Ask me to ... look up a word of hacker slang". With no tools they say
+"no tools" and "help with" (left out, the greetings' examples went and the model answered "Hello" with "You're
+welcome!"). Custom prompts follow the same rules.
 """
 
 from __future__ import annotations
@@ -39,9 +43,20 @@ def default_prompt_template() -> str:
 def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
     """The prompt the model reads: examples filled in by their tools (or left out), `{tools}` listed."""
     listing = "\n".join(f"- {t.name}: {t.description}" for t in tools.values())
-    text = "\n\n".join(filter(None, (fill_examples(block, tools) for block in template.split("\n\n"))))
+    text = "\n\n".join(filter(None, (fill_examples(name_tools(block, tools), tools)
+                                      for block in template.split("\n\n"))))
     text = text.replace("{tools}", listing)
     return text.rstrip("\n") + "\n\n" if text.strip() else text  # the first question starts on its own line
+
+
+def name_tools(block: str, tools: Mapping[str, Tool]) -> str:
+    """A paragraph with `{abilities}` and `{actions}` naming the session's tools."""
+    for placeholder, words, joint, none in (("{abilities}", [t.ability for t in tools.values()], "and", "no tools"),
+                                            ("{actions}", [t.action for t in tools.values()], "or", "help with")):
+        words = [w for w in words if w] or [none]
+        listed = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {joint} {words[-1]}"
+        block = block.replace(placeholder, listed)
+    return block
 
 
 def fill_examples(block: str, tools: Mapping[str, Tool]) -> str | None:

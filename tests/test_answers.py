@@ -49,6 +49,7 @@ def test_a_greeting_needs_no_tool(engine, question):
     ("What is 100 - 250?", "-150"),  # ... "Result = (-150)" (only a number the line began was held to the output)
     ("What is 4,096 / 64?", "64"),  # ... and "Result = 100" where the Calculator said 64
     ("What is 41 * 23?", "943"),
+    ("square root of 2", "1.41421356237"),  # sent to Search (and passed on) until the greetings named the tools
 ])
 def test_an_arithmetic_answer_writes_the_calculators_number(engine, question, number):
     answers = [engine.ask(engine.new_session(), question, dataclasses.replace(PAGE, use_cache=cached))
@@ -61,8 +62,7 @@ def test_an_arithmetic_answer_writes_the_calculators_number(engine, question, nu
 
 
 @pytest.mark.parametrize("question, number", [("What is 3 - 7?", "-4"), ("What is 10 - 25?", "-15"),
-                                              ("What is 8 - 9?", "-1"), ("What is 1 - 1?", "0"),
-                                              ("square root of 2", "1.41421356237")])
+                                              ("What is 8 - 9?", "-1"), ("What is 1 - 1?", "0")])
 def test_a_small_sum_sent_to_search_is_answered_by_the_calculator(engine, question, number):
     """Regression: the model sends small subtractions to Search; given an error that named the Calculator's
     result it answered "Result = 3 - 7: 3", "Result = 10", "Result = 8 - 9: 1"; "square root of 2" found "Death

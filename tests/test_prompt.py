@@ -37,6 +37,32 @@ def test_examples_of_a_tool_not_in_the_session_are_left_out():
     assert "\n\n\n" not in rendered
 
 
+GREETINGS = re.compile(r"^Result = (.*(?:I am|thanks|afternoon).*)<submit>$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("names, named, unnamed", [
+    (None, ["with a calculator and the Jargon File", "calculate or look up"], ["search", "two tools"]),
+    (["Calculator"], ["with a calculator<", "me to calculate?"], ["Jargon", "look up", "two tools"]),
+    (["Search"], ["with the Jargon File<", "me to look up?"], ["calculat", "two tools"]),
+    ([], ["with no tools", "me to help with?"], ["calculat", "Jargon", "look up", "two tools"]),
+])
+def test_greetings_name_only_the_sessions_tools(names, named, unnamed):
+    # Regression: with the Search tool unchecked, "How's it going?" was answered "Ask me to calculate something
+    # or to look up a word of hacker slang": the greeting examples named both tools whatever the session had.
+    rendered = render_prompt(default_prompt_template(), get_tools(names))
+    greetings = "\n".join(f"{line}<" for line in GREETINGS.findall(rendered))
+    assert len(GREETINGS.findall(rendered)) == 4 and "{" not in greetings
+    assert all(words in greetings for words in named), greetings
+    assert not any(words in greetings for words in unnamed), greetings
+
+
+def test_a_tool_names_itself_in_a_custom_prompt():
+    three = {name: Tool(name, "?", str, ability=f"a {name.lower()}", action=name.lower()) for name in "ABC"}
+    template = "Q: Hi\nResult = I have {abilities}; I can {actions}.<submit>"
+    assert render_prompt(template, three) == "Q: Hi\nResult = I have a a, a b and a c; I can a, b or c.<submit>\n\n"
+    assert render_prompt(template, {"A": Tool("A", "?", str)}).startswith("Q: Hi\nResult = I have no tools; I can help")
+
+
 def test_a_custom_template_is_filled_by_its_own_tools():
     echo = Tool("Echo", "repeats in capitals", str.upper, answer=lambda out: out.lower() + "!")
     template = "Tools: {tools}\n\nQ: Say hi\n<request><Echo>hi there<call>\n\nQ: Hello\nResult = Hi.<submit>\n"

@@ -49,6 +49,8 @@ class Tool:
     description: str  # one line, goes into the system prompt
     function: Callable[[str], str]
     answer: Callable[[str], str] = _as_is  # the answer a few-shot example gives from this tool's output
+    ability: str = ""  # what the assistant has, in a greeting's words ("a calculator"): a prompt's {abilities}
+    action: str = ""  # what a visitor may ask of it ("calculate"): a prompt's {actions}
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,10 @@ def default_tools() -> dict[str, Tool]:
     from app.tools.search import first_entry, search_tool
 
     tools = [
-        Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate),
-        Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry),
+        Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate,
+             ability="a calculator", action="calculate"),
+        Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry,
+             ability="the Jargon File", action="look up"),
     ]
     return {tool.name: tool for tool in tools}
 
