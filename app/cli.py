@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, default=0)
     ask.add_argument("--draft-tokens", type=int, default=8,
                      help="greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)")
-    ask.add_argument("--prompt", type=Path, help="a few-shot system prompt file ({tools} lists the tools)")
+    ask.add_argument("--prompt", type=Path,
+                     help="a few-shot system prompt file ({tools} lists the tools; {abilities}, {actions} name them)")
     ask.add_argument("--tools", help="comma-separated tool names, e.g. Calculator,Search")
     ask.add_argument("--json", action="store_true", help="one JSON object per question, one per line")
     tool = sub.add_parser("tool", help="run one tool and print what the model would read")

@@ -41,7 +41,8 @@ def default_prompt_template() -> str:
 
 
 def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
-    """The prompt the model reads: examples filled in by their tools (or left out), `{tools}` listed."""
+    """The prompt the model reads: `{abilities}` and `{actions}` named, examples filled in by their tools (or left
+    out), `{tools}` listed."""
     listing = "\n".join(f"- {t.name}: {t.description}" for t in tools.values())
     text = "\n\n".join(filter(None, (fill_examples(name_tools(block, tools), tools)
                                       for block in template.split("\n\n"))))
@@ -50,13 +51,19 @@ def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
 
 
 def name_tools(block: str, tools: Mapping[str, Tool]) -> str:
-    """A paragraph with `{abilities}` and `{actions}` naming the session's tools."""
-    for placeholder, words, joint, none in (("{abilities}", [t.ability for t in tools.values()], "and", "no tools"),
-                                            ("{actions}", [t.action for t in tools.values()], "or", "help with")):
-        words = [w for w in words if w] or [none]
-        listed = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {joint} {words[-1]}"
-        block = block.replace(placeholder, listed)
-    return block
+    """A paragraph with `{abilities}` and `{actions}` naming the session's tools (a tool without its own words by
+    its name: a greeting that leaves out a tool `{tools}` lists would contradict the listing)."""
+    abilities = [t.ability or t.name for t in tools.values()]
+    actions = [t.action or f"use {t.name}" for t in tools.values()]
+    return (block.replace("{abilities}", listed(abilities, "and", "no tools"))
+            .replace("{actions}", listed(actions, "or", "help with")))
+
+
+def listed(words: list[str], joint: str, none: str) -> str:
+    """`a, b and c` (joint "and"); `none` for no words."""
+    if len(words) < 2:
+        return words[0] if words else none
+    return f"{', '.join(words[:-1])} {joint} {words[-1]}"
 
 
 def fill_examples(block: str, tools: Mapping[str, Tool]) -> str | None:

@@ -100,7 +100,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     tools = gr.CheckboxGroup(names, value=names, label="Tools", elem_id="tools")
                     prompt = gr.Textbox(default_prompt_template(), elem_id="system-prompt", lines=3, max_lines=8,
                                         label="System prompt ({tools} is replaced by the checked tools, one per "
-                                              "line, {abilities} and {actions} by their names in a greeting; an "
+                                              "line, {abilities} and {actions} by their words in a greeting; an "
                                               "example line ending in <call> gets the tool's real output and "
                                               "answer; a change starts a new chat)")
                 stats = gr.Markdown(service.stats(None), elem_id="stats")

@@ -65,9 +65,9 @@ def test_an_arithmetic_answer_writes_the_calculators_number(engine, question, nu
                                               ("What is 8 - 9?", "-1"), ("What is 1 - 1?", "0")])
 def test_a_small_sum_sent_to_search_is_answered_by_the_calculator(engine, question, number):
     """Regression: the model sends small subtractions to Search; given an error that named the Calculator's
-    result it answered "Result = 3 - 7: 3", "Result = 10", "Result = 8 - 9: 1"; "square root of 2" found "Death
-    Square" and answered "Result = 100". Search now passes a sum on to the Calculator, whose number the model
-    reads and the answer line begins with."""
+    result it answered "Result = 3 - 7: 3", "Result = 10", "Result = 8 - 9: 1". Search now passes a sum on to the
+    Calculator, whose number the model reads and the answer line begins with. ("square root of 2", which found
+    "Death Square", now goes to the Calculator itself: the test above.)"""
     episode = engine.ask(engine.new_session(), question, PAGE)
     [tool] = [s for s in episode.segments if s.kind == "tool"]
     assert (tool.tool, tool.ran, tool.text) == ("Search", "Calculator", number + RESPONSE)

@@ -60,7 +60,9 @@ def test_a_tool_names_itself_in_a_custom_prompt():
     three = {name: Tool(name, "?", str, ability=f"a {name.lower()}", action=name.lower()) for name in "ABC"}
     template = "Q: Hi\nResult = I have {abilities}; I can {actions}.<submit>"
     assert render_prompt(template, three) == "Q: Hi\nResult = I have a a, a b and a c; I can a, b or c.<submit>\n\n"
-    assert render_prompt(template, {"A": Tool("A", "?", str)}).startswith("Q: Hi\nResult = I have no tools; I can help")
+    assert render_prompt(template, {}).startswith("Q: Hi\nResult = I have no tools; I can help with.")
+    wordless = {"A": Tool("A", "?", str, action="ask A"), "B": Tool("B", "?", str, ability="a b")}
+    assert render_prompt(template, wordless).startswith("Q: Hi\nResult = I have A and a b; I can ask A or use B.")
 
 
 def test_a_custom_template_is_filled_by_its_own_tools():

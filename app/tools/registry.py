@@ -5,7 +5,7 @@ failure never crashes an episode: `run_tool` turns it into a `ToolResult(ok=Fals
 model reads like any other output.
 
 Adding a tool: write `def my_tool(query: str) -> str` (raise `ToolError` for a bad query) and
-add one `Tool(...)` line to `default_tools()`.
+add one `Tool(...)` line to `default_tools()`, with the words a greeting names it by (`ability`, `action`).
 
 Import-light on purpose: only the standard library here (the tools are imported lazily).
 """
@@ -50,7 +50,7 @@ class Tool:
     function: Callable[[str], str]
     answer: Callable[[str], str] = _as_is  # the answer a few-shot example gives from this tool's output
     ability: str = ""  # what the assistant has, in a greeting's words ("a calculator"): a prompt's {abilities}
-    action: str = ""  # what a visitor may ask of it ("calculate"): a prompt's {actions}
+    action: str = ""  # what a visitor may ask of it ("calculate"): a prompt's {actions} (none: "use <name>")
 
 
 @dataclass(frozen=True)
