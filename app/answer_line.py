@@ -29,6 +29,11 @@ the model dropped the sign of a negative result ("5 - 29": the tool said -24, th
 3 negative results), once wrote 100 for "4,096 / 64" where the tool said 64, and where only a number it began was
 held to the output, wrote "Result = (-150)" or "Result =  –15" (an en dash). Words after the number stay free.
 
+Where a tool claims the question (`Tool.claims`: a sum written in symbols is the Calculator's), the reply's
+tokens spell that call first, `<request><Calculator>2 + 2 * 3<call>`, each one a token whose text goes on with it
+(the model picks how it is cut): asked "What is 2 + 2 * 3?" the model sent "2 * 3", and "What is 4 - 6?" it
+answered "Result = 4 - 6" with no call.
+
 This is a constraint on the next token, like a grammar in serving engines: deterministic, applied in the same
 way with the cache on or off and to verified drafts, so greedy output stays a pure function of the token ids.
 """
@@ -130,8 +135,9 @@ class AnswerLine:
     line or a tool's `<response>`)."""
 
     def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False, number: str | None = None,
-                 after_question: bool = False):
+                 after_question: bool = False, opening: str | None = None):
         self._prefix = prefix
+        self._opening_due, self._begun = opening or None, ""  # the text the segment must spell first, and so far
         self._number = None if number is None else " " + number  # the Calculator's output, as the answer writes it
         self._line = ""  # the current line, while `number` may still be due on it
         self._opening = ""  # the line's first characters: whether it is the answer line
@@ -141,6 +147,14 @@ class AnswerLine:
         self._head: str | None = "" if after_tool else None
         # right after the question: the reply's text until it holds more than a newline (None: no such rule now)
         self._start: str | None = "" if after_question else None
+
+    @property
+    def opening_due(self) -> str | None:
+        """What the segment must still spell of its opening (a claimed tool call), else None."""
+        due = self._opening_due
+        if due is None or len(self._begun) >= len(due) or not due.startswith(self._begun):
+            return None
+        return due[len(self._begun):]
 
     @property
     def head(self) -> str | None:
@@ -201,9 +215,12 @@ class AnswerLine:
         other._opening, other._end, other._head, other._start = self._opening, self._end, self._head, self._start
         other._number, other._line = self._number, self._line
         other._brackets = self._brackets
+        other._opening_due, other._begun = self._opening_due, self._begun
         return other
 
     def push(self, delta: str) -> None:
+        if self.opening_due is not None:
+            self._begun += delta
         if self._start is not None:
             self._start += delta
             if _past_one_newline(self._start):
@@ -241,7 +258,7 @@ class AnswerGrammar:
         for i, text in enumerate(self._texts):
             self._exact.setdefault(text, []).append(i)
         # (rule, its state) -> the ids it bans; a handful of states, each computed once
-        self._banned: dict[tuple, torch.Tensor] = {}
+        self._banned: dict[tuple, torch.Tensor | None] = {}
 
     def text(self, token: int) -> str:
         """A token's text, as decoded once here (no tokenizer call, so no lock)."""
@@ -268,6 +285,8 @@ class AnswerGrammar:
     def banned(self, line: AnswerLine) -> torch.Tensor | None:
         """The ids of the tokens the line cannot take next; None off the answer line (and not right after the
         question or a tool's output)."""
+        if line.opening_due is not None:
+            return self._ban(("opening",), lambda text: False)  # none: allowed() keeps the opening's tokens only
         if line.head is not None:
             head = line.head
             return self._ban(("after tool", head), lambda text: not opens_well(head + text))
@@ -300,6 +319,9 @@ class AnswerGrammar:
         """Until the answer line has written the Calculator's number whole, the only tokens it may take (those that
         go on with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary
         (which cost 20 chats at once ~1 s a turn)."""
+        rest = line.opening_due
+        if rest is not None:
+            return self._spelling(rest)
         written, number = line.number_due, line.number
         if written is None or written.startswith(number) or line.open_tag is not None:
             return None
@@ -316,6 +338,18 @@ class AnswerGrammar:
             self._banned[key] = torch.tensor(sorted(allowed), dtype=torch.long)
         return self._banned[key]
 
+    def _spelling(self, rest: str) -> torch.Tensor | None:
+        """The tokens that spell the next part of `rest` (each token is a prefix of it; the model picks how it is
+        cut); None where no token does (no constraint rather than no token at all)."""
+        key = ("opening", rest)
+        if key not in self._banned:
+            import torch
+
+            self._forget_numbers()
+            ids = sorted(i for k in range(1, len(rest) + 1) for i in self._exact.get(rest[:k], ()))
+            self._banned[key] = torch.tensor(ids, dtype=torch.long) if ids else None
+        return self._banned[key]
+
     def _starting(self, prefix: str) -> list[int]:
         """The ids of the tokens whose text starts with `prefix` (from the sorted texts)."""
         first = bisect.bisect_left(self._sorted, (prefix, -1))
@@ -324,7 +358,7 @@ class AnswerGrammar:
     def _forget_numbers(self) -> None:
         """Bound the cache: each Calculator result adds a few states (a few hundred results at most are kept)."""
         if len(self._banned) > 2048:
-            for old in [k for k in self._banned if k[0] in ("number", "allowed")]:
+            for old in [k for k in self._banned if k[0] in ("number", "allowed", "opening")]:
                 del self._banned[old]
 
     def _ban(self, key: tuple, bans) -> torch.Tensor:

@@ -40,6 +40,9 @@ class SegmentRun:
     prefill_tokens: int | None = 0  # tokens fed through the model as new input; None: the server did not say
     cached_tokens: int | None = 0  # tokens whose keys/values came from a cache; None: the server did not say
     generated_tokens: int = 0
+    # given by the engine: the text the segment's tokens must spell first (a question's claimed tool call, see
+    # app.engine.Engine.claimed_call); in process only, like the answer line's grammar (a model server writes freely)
+    opening: str | None = None
 
 
 class Backend(Protocol):

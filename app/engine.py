@@ -31,8 +31,8 @@ from app.kvcache import TokenCache, kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
 from app.prompt import PromptError, default_prompt_template, render_prompt
-from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, RESPONSE, ToolCallError, calls_tool, encode, neutralize,
-                          parse_tool_call)
+from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, ToolCallError, calls_tool, encode,
+                          neutralize, parse_tool_call)
 from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
                           require_utf8)
 from app.tools.registry import Tool, default_tools, run_tool
@@ -189,8 +189,10 @@ class Engine:
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
+            opening = self.claimed_call(question) if settings.max_turns > 0 else None  # (a call it could not run)
             for calls in count():
-                segment = yield from self._model_segment(session, episode, settings, cancel, row)
+                segment = yield from self._model_segment(session, episode, settings, cancel, row,
+                                                         opening if calls == 0 else None)
                 if not calls_tool(segment.stop.string, segment.text):
                     break
                 if calls >= settings.max_turns:
@@ -211,11 +213,20 @@ class Engine:
             bases = list(self._prompt_caches.values())
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
+    def claimed_call(self, question: str) -> str | None:
+        """The call a question's answer opens with where one of the session's tools claims it (a sum in symbols:
+        the Calculator, with the sum as the question writes it), else None: the model chooses."""
+        for tool in self.tools.values():
+            if tool.claims is not None and (query := tool.claims(question)):
+                return f"{REQUEST}<{tool.name}>{query}{CALL}"
+        return None
+
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
-                       cancel: threading.Event | None, row: int) -> Generator[Event, None, Segment]:
+                       cancel: threading.Event | None, row: int,
+                       opening: str | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
-        run = SegmentRun()
+        run = SegmentRun(opening=opening)
         yield SegmentStarted(row, "model")
         try:
             if len(cache) >= settings.max_length:

@@ -50,6 +50,11 @@ def test_a_greeting_needs_no_tool(engine, question):
     ("What is 4,096 / 64?", "64"),  # ... and "Result = 100" where the Calculator said 64
     ("What is 41 * 23?", "943"),
     ("square root of 2", "1.41421356237"),  # sent to Search (and passed on) until the greetings named the tools
+    # regressions: a sum written in symbols is the Calculator's query (Tool.claims): the model sent "2 * 3" and
+    # "7 * 8 * 5", and answered "Result = 4 - 6" and "Result = 101" with no call; 3 - 7, 10 - 25, 8 - 9 and 1 - 1
+    # went to Search, which passed them on (app.tools.registry.Misrouted, still there for what no tool claims)
+    ("What is 2 + 2 * 3?", "8"), ("What is 7 * 8 - 5?", "51"), ("What is 4 - 6?", "-2"), ("Whats 99 + 1", "100"),
+    ("What is 3 - 7?", "-4"), ("What is 10 - 25?", "-15"), ("What is 8 - 9?", "-1"), ("What is 1 - 1?", "0"),
 ])
 def test_an_arithmetic_answer_writes_the_calculators_number(engine, question, number):
     answers = [engine.ask(engine.new_session(), question, dataclasses.replace(PAGE, use_cache=cached))
@@ -61,14 +66,3 @@ def test_an_arithmetic_answer_writes_the_calculators_number(engine, question, nu
     assert answers[0].token_ids == answers[1].token_ids  # cache on and off: the same tokens
 
 
-@pytest.mark.parametrize("question, number", [("What is 3 - 7?", "-4"), ("What is 10 - 25?", "-15"),
-                                              ("What is 8 - 9?", "-1"), ("What is 1 - 1?", "0")])
-def test_a_small_sum_sent_to_search_is_answered_by_the_calculator(engine, question, number):
-    """Regression: the model sends small subtractions to Search; given an error that named the Calculator's
-    result it answered "Result = 3 - 7: 3", "Result = 10", "Result = 8 - 9: 1". Search now passes a sum on to the
-    Calculator, whose number the model reads and the answer line begins with. ("square root of 2", which found
-    "Death Square", now goes to the Calculator itself: the test above.)"""
-    episode = engine.ask(engine.new_session(), question, PAGE)
-    [tool] = [s for s in episode.segments if s.kind == "tool"]
-    assert (tool.tool, tool.ran, tool.text) == ("Search", "Calculator", number + RESPONSE)
-    assert episode.answer == f"Result = {number}"

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from app.config import ROOT
-from app.tools.calculator import calculate
+from app.tools.calculator import calculate, sum_in
 from app.tools.registry import ToolError
 
 CASES = [
@@ -220,3 +220,17 @@ def test_operators_in_words_between_numbers(expression: str, expected: str) -> N
 def test_operator_words_elsewhere_stay_words(expression: str) -> None:
     with pytest.raises(ToolError):
         calculate(expression)
+
+
+@pytest.mark.parametrize("question, expected", [
+    ("What is 2 + 2 * 3?", "2 + 2 * 3"), ("What is 7 * 8 - 5?", "7 * 8 - 5"), ("Whats 99 + 1", "99 + 1"),
+    ("What is (12 + 8) * 5?", "(12 + 8) * 5"), ("What is 1,250 + 3,780?", "1,250 + 3,780"), ("What is 2^10?", "2^10"),
+    ("What is -5 + 3?", "-5 + 3"), ("What is 3.5 * 2.", "3.5 * 2"), ("What is 12 / (3 + 1)?", "12 / (3 + 1)"),
+    ("What is 1/0?", "1/0"),  # (the calculator reads it; its error is the answer's to give)
+    ("What is 10 percent of 50?", None), ("what is 6 times 7", None), ("square root of 2", None),  # words: the model's
+    ("Define 404", None), ("What is 5!", None), ("How much is 15% of 80?", None),  # no operator between numbers
+    ("What is 2 + 3 and 4 * 5?", None),  # two sums: which one is asked is the model's to say
+    ("What is 2 + 2)?", None),  # not read by the calculator
+])
+def test_the_sum_a_question_writes(question, expected):
+    assert sum_in(question) == expected

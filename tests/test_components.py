@@ -354,7 +354,7 @@ def turn(service, message, key="page-1", use_cache=True, max_length=4096, max_ne
 
 @pytest.fixture
 def calculator_plan(tokenizer):
-    first = "<request><Calculator>41*23<call>"
+    first = "<request><Calculator>41 * 23<call>"
     return plan_text(tokenizer, (0, first), (len(tokenizer(first, add_special_tokens=False)["input_ids"]),
                                              "Result = 943<submit>"))
 
@@ -369,7 +369,7 @@ def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
     assert any("generating" in str(o[0][-1:]) for o in outputs[:-1])  # streamed token by token
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant", "assistant"]
     assert "string match `<call>`" in chat[1]["content"]
-    assert chat[2]["metadata"]["title"] == "Tool Calculator: 41\\*23"
+    assert chat[2]["metadata"]["title"] == "Tool Calculator: 41 \\* 23"
     assert chat[2]["content"] == "943&lt;response&gt;"
     assert "string match `<submit>`" in chat[3]["content"]
     assert [role for _, role in tokens] == ["system", "user", "model", "tool", "model"]
@@ -490,7 +490,7 @@ def test_api_chat_streams_growing_text(tiny_llama, calculator_plan):
     service, _ = make_service(tiny_llama, calculator_plan)
     chunks = list(service.api_chat("What is 41 * 23?", None, request("client")))
     assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:]))
-    assert chunks[-1] == "<request><Calculator>41*23<call>943<response>Result = 943<submit>"
+    assert chunks[-1] == "<request><Calculator>41 * 23<call>943<response>Result = 943<submit>"
     assert len(service.store.peek("client").session.episodes) == 1
 
 

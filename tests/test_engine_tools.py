@@ -179,3 +179,41 @@ def test_a_tool_output_cut_by_max_length_says_so(tiny_llama, tokenizer):
     assert tool_message(tool)["metadata"]["log"] == "ok · cut: max_length (session max_length)"
     whole = engine.ask(prime(engine), "What is 41 * 23?", Settings(max_new_tokens=20))
     assert next(s for s in whole.segments if s.kind == "tool").stop is None  # (not cut: no stop)
+
+
+@pytest.mark.parametrize("wanted", ["<request><Calculator>2 * 3<call>", "Result = 4 - 6<submit>"])
+def test_a_sum_in_the_question_is_the_calculators_query(tiny_llama, tokenizer, wanted):
+    """Regression: asked "What is 2 + 2 * 3?", the model sent "2 * 3" (and answered 6); asked "What is 4 - 6?", it
+    answered "Result = 4 - 6" with no call. A sum the question writes in symbols is the Calculator's query,
+    whatever the model would write: its tokens are held to spelling the call (app.answer_line)."""
+    engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, wanted))), tools=default_tools(), prompt=PROMPT)
+    episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(max_new_tokens=24, max_turns=1))
+    call, output = episode.segments[:2]
+    assert (call.text, call.stop.label) == ("<request><Calculator>2 + 2 * 3<call>", "string match <call>")
+    assert (output.tool, output.text) == ("Calculator", "8<response>")
+
+
+def test_a_sum_is_left_to_the_model_where_no_tool_claims_it_or_no_call_may_run(tiny_llama, tokenizer):
+    search, every = {"Search": default_tools()["Search"]}, default_tools()
+    for tools, question, turns in ((search, "What is 2 + 2 * 3?", 4), (every, "What is 10 percent of 50?", 4),
+                                   (every, "What is 2 + 2 * 3?", 0)):
+        engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "Result = 4<submit>"))), tools=tools,
+                        prompt=PROMPT)
+        assert (engine.claimed_call(question) is None) == (turns > 0)
+        episode = engine.ask(prime(engine), question, Settings(max_new_tokens=24, max_turns=turns))
+        assert episode.segments[0].text == "Result = 4<submit>" and not episode.unrun_call
+
+
+@pytest.mark.parametrize("settings", [Settings(max_new_tokens=24, max_turns=1, use_cache=False),
+                                      Settings(max_new_tokens=24, max_turns=1, draft_tokens=0),
+                                      Settings(max_new_tokens=24, max_turns=1, temperature=0.8, seed=3)])
+def test_a_claimed_call_is_the_same_with_cache_off_drafts_off_sampling_and_in_a_batch(tiny_llama, settings):
+    engine = Engine(tiny_llama, tools=default_tools(), prompt=PROMPT)
+    questions = ["What is 12 / (3 + 1)?", "Whats 99 + 1", "What is a kludge?"]
+    solo = [engine.ask(engine.new_session(seed=settings.seed), q, settings) for q in questions]
+    batch = engine.run(questions, settings)
+    for question, episode, row in zip(questions, solo, batch):
+        claimed = engine.claimed_call(question)
+        for one in (episode, row):
+            assert (one.segments[0].text == claimed) == (claimed is not None), one.segments[0].text
+        assert row.token_ids == episode.token_ids or settings.temperature > 0  # (a batch row: its own seed)

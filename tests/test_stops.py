@@ -16,7 +16,7 @@ from tests.conftest import forced, plan_text, prime
 PROMPT = "Answer with tools.\n{tools}\n\n"
 
 
-def run(loaded, question="What is 2+3?", **settings):
+def run(loaded, question="What is two plus three?", **settings):
     engine = Engine(loaded, prompt=PROMPT)
     session = prime(engine)
     episode = engine.ask(session, question, Settings(**settings))
@@ -107,7 +107,7 @@ def test_next_question_streams_no_text_that_is_dropped(tiny_llama, tokenizer):
     plan = plan_text(tokenizer, (0, "It is 5\nQ: next"))
     engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
     session = prime(engine)
-    streamed = "".join(e.text for e in engine.turn(session, "What is 2+3?", Settings(max_new_tokens=30))
+    streamed = "".join(e.text for e in engine.turn(session, "What is two plus three?", Settings(max_new_tokens=30))
                        if isinstance(e, TextDelta))
     assert streamed.rstrip() == "It is 5"
 
@@ -127,7 +127,7 @@ def test_a_newline_on_the_answer_line_ends_it_with_submit(tiny_llama, tokenizer,
     plan.update(plan_text(tokenizer, (len(plan), "\nQ: next")))
     engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
     session = prime(engine)
-    episode = engine.ask(session, "What is 2+3?", Settings(max_new_tokens=40))
+    episode = engine.ask(session, "What is two plus three?", Settings(max_new_tokens=40))
     last = episode.segments[-1]
     assert (last.stop.reason, last.stop.string) == (StopReason.STRING_MATCH, "<submit>"), last
     assert last.text.lstrip("\n") == answer + "<submit>" and episode.answer == answer
@@ -356,7 +356,7 @@ def test_max_length_batch_size_1(tiny_llama):
     engine = Engine(model, prompt=PROMPT)
     session = prime(engine)
     budget = len(session.cache) + 12 + 3
-    episode = engine.ask(session, "What is 2+3?", Settings(max_new_tokens=50, max_length=budget))
+    episode = engine.ask(session, "What is two plus three?", Settings(max_new_tokens=50, max_length=budget))
     (segment,) = episode.segments
     assert (segment.stop.reason, segment.stop.limit) == (StopReason.MAX_LENGTH, Limit.MAX_LENGTH)
     assert len(session.cache) == budget == episode.total_tokens
@@ -367,7 +367,8 @@ def test_max_length_in_a_batch_never_exceeded(tiny_llama, tokenizer):
     engine = Engine(forced(tiny_llama, plan), prompt=PROMPT)
     prompt_len = len(prime(engine).cache)
     budget = prompt_len + 20
-    episodes = engine.run(["What is 2+3?", "What is 4+4?", "Hi"], Settings(max_new_tokens=50, max_length=budget))
+    episodes = engine.run(["What is two plus three?", "What is four plus four?", "Hi"],
+                          Settings(max_new_tokens=50, max_length=budget))
     assert len(episodes) == 3
     for episode in episodes:
         assert episode.total_tokens <= budget
@@ -391,7 +392,7 @@ def test_prompt_alone_over_max_length_is_a_clear_error(tiny_llama):
     engine = Engine(tiny_llama, prompt=PROMPT)
     session = engine.new_session()
     with pytest.raises(InputError, match="context is full"):
-        engine.ask(session, "What is 2+3?", Settings(max_length=len(session.cache) + 2))
+        engine.ask(session, "What is two plus three?", Settings(max_length=len(session.cache) + 2))
     assert session.episodes == [] and len(session.cache) == session.prompt_tokens  # nothing half-added
 
 

@@ -188,7 +188,7 @@ def answers_plan(tokenizer, runs: int, *answers: tuple[str, ...]) -> dict[int, i
     return plan
 
 
-CALC = ("<request><Calculator>41*23<call>", "Result = 943<submit>")
+CALC = ("<request><Calculator>41 * 23<call>", "Result = 943<submit>")
 
 
 def compare_outputs(service, message="", key="page-1", tools=TOOLS, prompt=None):
@@ -225,7 +225,7 @@ def test_compare_errors_are_messages(tiny_llama):
 def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, tokenizer):
     answers = (CALC, ("Result = 13<submit>",))
     service, _ = make_service(tiny_llama, answers_plan(tokenizer, 2, *answers))
-    text = "What is 41 * 23? | 943\nWhat is 96 / 8? | 12"
+    text = "What is 41 * 23? | 943\nWhat is ninety-six over eight? | 12"
     outputs = list(service.batch(text, *SETTINGS, TOOLS, default_prompt_template(), request()))
     frame, summary, status = outputs[-1]
     assert status == "done" and outputs[0][2] == "running"
@@ -233,7 +233,7 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
     assert isinstance(frame, pd.DataFrame) and list(frame["reward"]) == ["1", "0"]
     assert list(frame["answer"]) == ["Result = 943", "Result = 13"]
     assert frame.loc[0, "stops"] == "string match <call> → string match <submit>"
-    assert frame.loc[0, "tool calls"] == "Calculator: 41*23"
+    assert frame.loc[0, "tool calls"] == "Calculator: 41 * 23"
     assert "accuracy: 1/2 = 50%" in summary
     assert "total time, cache on:" in summary and "total time, cache off:" in summary
     assert "identical answers: yes" in summary

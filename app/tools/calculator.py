@@ -251,6 +251,21 @@ def reads(expression: str) -> bool:
     return True
 
 
+# A sum written in symbols: numbers (1,250 / 2.5) joined by operators, with brackets and spaces ("2 + 2 * 3",
+# "(12 + 8) * 5", "2^10", "-5 + 3"); words are not part of it ("10 percent of 50" is left to the model)
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
+_SUM = re.compile(rf"[-(\s]*{_NUMBER}[)\s]*(?:(?:\*\*|[-+*/×÷^])[(\s]*-?{_NUMBER}[)\s]*)+")
+
+
+def sum_in(question: str) -> str | None:
+    """The one sum a question writes in symbols, as it writes it, where the calculator reads it ("What is 2 + 2
+    * 3?" -> "2 + 2 * 3"); None for none or more than one. Why: asked that, the model sent "2 * 3" (and "7 * 8 *
+    5" for 7 * 8 - 5), or answered "Result = 4 - 6" and "Result = 101" (99 + 1) with no call at all."""
+    found = [match.group(0).strip() for match in _SUM.finditer(question)]
+    found = [text.rstrip(",.") for text in found]
+    return found[0] if len(found) == 1 and reads(found[0]) else None
+
+
 def calculate(expression: str) -> str:
     """Evaluate arithmetic text and return the result as text; ToolError on any rejection."""
     tree = _checked(expression)

@@ -51,6 +51,9 @@ class Tool:
     answer: Callable[[str], str] = _as_is  # the answer a few-shot example gives from this tool's output
     ability: str = ""  # what the assistant has, in a greeting's words ("a calculator"): a prompt's {abilities}
     action: str = ""  # what a visitor may ask of it ("calculate"): a prompt's {actions} (none: "use <name>")
+    # the query this tool takes from a question it answers whatever the model would write (the Calculator: a sum
+    # written in symbols); None where the model decides
+    claims: Callable[[str], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,12 @@ class ToolResult:
 
 def default_tools() -> dict[str, Tool]:
     """All built-in tools by name, as a fresh dict on every call."""
-    from app.tools.calculator import calculate
+    from app.tools.calculator import calculate, sum_in
     from app.tools.search import first_entry, search_tool
 
     tools = [
         Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate,
-             ability="a calculator", action="calculate"),
+             ability="a calculator", action="calculate", claims=sum_in),
         Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry,
              ability="the Jargon File", action="look up"),
     ]
