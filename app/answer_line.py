@@ -376,7 +376,7 @@ class AnswerGrammar:
         banned = self.banned(line)
         if banned is None:
             return logits
-        allowed = self.allowed(line)
+        allowed = self.allowed(line)  # (a claimed call's opening: an empty ban above, and its tokens kept here)
         out = logits.clone()
         if line.can_end:
             import torch

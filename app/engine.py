@@ -189,7 +189,7 @@ class Engine:
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
-            opening = self.claimed_call(question) if settings.max_turns > 0 else None  # (a call it could not run)
+            opening = self.claimed_call(question, settings, room=settings.max_length - len(cache))
             for calls in count():
                 segment = yield from self._model_segment(session, episode, settings, cancel, row,
                                                          opening if calls == 0 else None)
@@ -213,12 +213,20 @@ class Engine:
             bases = list(self._prompt_caches.values())
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
-    def claimed_call(self, question: str) -> str | None:
+    def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:
         """The call a question's answer opens with where one of the session's tools claims it (a sum in symbols:
-        the Calculator, with the sum as the question writes it), else None: the model chooses."""
+        the Calculator, with the sum as the question writes it), else None: the model chooses. None too where
+        the call could not be run (max_turns 0) or written whole (max_new_tokens, or `room` left in max_length):
+        a call cut short would end the turn with no answer, where the model might have answered."""
+        if settings is not None and settings.max_turns <= 0:
+            return None
         for tool in self.tools.values():
             if tool.claims is not None and (query := tool.claims(question)):
-                return f"{REQUEST}<{tool.name}>{query}{CALL}"
+                call = f"{REQUEST}<{tool.name}>{query}{CALL}"
+                if settings is None:
+                    return call
+                limit = settings.max_new_tokens if room is None else min(settings.max_new_tokens, room)
+                return call if len(self._encode(call)) < limit else None
         return None
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,

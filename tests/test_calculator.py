@@ -226,11 +226,19 @@ def test_operator_words_elsewhere_stay_words(expression: str) -> None:
     ("What is 2 + 2 * 3?", "2 + 2 * 3"), ("What is 7 * 8 - 5?", "7 * 8 - 5"), ("Whats 99 + 1", "99 + 1"),
     ("What is (12 + 8) * 5?", "(12 + 8) * 5"), ("What is 1,250 + 3,780?", "1,250 + 3,780"), ("What is 2^10?", "2^10"),
     ("What is -5 + 3?", "-5 + 3"), ("What is 3.5 * 2.", "3.5 * 2"), ("What is 12 / (3 + 1)?", "12 / (3 + 1)"),
-    ("What is 1/0?", "1/0"),  # (the calculator reads it; its error is the answer's to give)
+    ("What is 1 / 0?", "1 / 0"),  # (the calculator reads it; its error is the answer's to give)
     ("What is 10 percent of 50?", None), ("what is 6 times 7", None), ("square root of 2", None),  # words: the model's
     ("Define 404", None), ("What is 5!", None), ("How much is 15% of 80?", None),  # no operator between numbers
     ("What is 2 + 3 and 4 * 5?", None),  # two sums: which one is asked is the model's to say
     ("What is 2 + 2)?", None),  # not read by the calculator
+    ("What is 8 ÷ 2?", "8 / 2"), ("What is 6 × 7?", "6 * 7"), ("What is 2 +  2 then?", "2 + 2"),  # spelled as tokens
+    # a piece of what the calculator reads whole (review: "sqrt(16) + 4" sent "(16) + 4", answered 20)
+    ("What is sqrt(16) + 4?", None), ("What is abs(-5) + 1?", None), ("what is 1e3 + 1", None),
+    ("what is 0x10 + 1", None), ("x^2 + 3 when x = 2", None),
+    # ratios, dates, scores: a/b or a-b with no spaces is the model's to read
+    ("What's the 80/20 rule?", None), ("Is 24/7 support worth it?", None), ("What day is 12/25/2024?", None),
+    ("Explain 10-4", None), ("What is 4-6?", None), ("What is 2*3+1?", "2*3+1"),
 ])
 def test_the_sum_a_question_writes(question, expected):
     assert sum_in(question) == expected
+

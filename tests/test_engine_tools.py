@@ -199,8 +199,9 @@ def test_a_sum_is_left_to_the_model_where_no_tool_claims_it_or_no_call_may_run(t
                                    (every, "What is 2 + 2 * 3?", 0)):
         engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "Result = 4<submit>"))), tools=tools,
                         prompt=PROMPT)
-        assert (engine.claimed_call(question) is None) == (turns > 0)
-        episode = engine.ask(prime(engine), question, Settings(max_new_tokens=24, max_turns=turns))
+        settings = Settings(max_new_tokens=24, max_turns=turns)
+        assert engine.claimed_call(question, settings) is None
+        episode = engine.ask(prime(engine), question, settings)
         assert episode.segments[0].text == "Result = 4<submit>" and not episode.unrun_call
 
 
@@ -217,3 +218,15 @@ def test_a_claimed_call_is_the_same_with_cache_off_drafts_off_sampling_and_in_a_
         for one in (episode, row):
             assert (one.segments[0].text == claimed) == (claimed is not None), one.segments[0].text
         assert row.token_ids == episode.token_ids or settings.temperature > 0  # (a batch row: its own seed)
+
+
+def test_a_claimed_call_that_would_be_cut_is_left_to_the_model(tiny_llama, tokenizer):
+    """A call cut by max_new_tokens or max_length would end the turn with no answer: there the model chooses."""
+    engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "Result = 8<submit>"))), prompt=PROMPT)
+    call = engine.claimed_call("What is 2 + 2 * 3?")
+    length = len(encode(tokenizer, call))
+    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(max_new_tokens=length + 1)) == call
+    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(max_new_tokens=length)) is None
+    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(), room=length) is None
+    episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(max_new_tokens=length))
+    assert episode.segments[0].text == "Result = 8<submit>"

@@ -252,18 +252,32 @@ def reads(expression: str) -> bool:
 
 
 # A sum written in symbols: numbers (1,250 / 2.5) joined by operators, with brackets and spaces ("2 + 2 * 3",
-# "(12 + 8) * 5", "2^10", "-5 + 3"); words are not part of it ("10 percent of 50" is left to the model)
+# "(12 + 8) * 5", "2^10", "-5 + 3"); words are not part of it ("10 percent of 50" is left to the model), nor is a
+# sum that is a piece of something the Calculator reads whole (sqrt(16) + 4, 1e3 + 1, x^2 + 3: no letter, point
+# or ^ just before it, no letter or bracket just after)
 _NUMBER = r"\d[\d,]*(?:\.\d+)?"
-_SUM = re.compile(rf"[-(\s]*{_NUMBER}[)\s]*(?:(?:\*\*|[-+*/×÷^])[(\s]*-?{_NUMBER}[)\s]*)+")
+_SUM = re.compile(rf"(?<![\w.^])(?:[-(]\s*)*{_NUMBER}[)\s]*"
+                  rf"(?:(?:\*\*|[-+*/×÷^])[(\s]*-?{_NUMBER}[)\s]*)+(?![\w(]|\.\d)")
+_MAY_HOLD_A_SUM = re.compile(r"\d[)\s]*(?:\*\*|[-+*/×÷^])")  # (a quick test first: a long question is scanned once)
+_NOT_A_SUM = re.compile(r"[\d,.]+(?:[-/][\d,.]+)+")  # 80/20, 24/7, 9/11, 12/25/2024, 3-2, 555-1234: no spaces, - or /
+_SPELLED = {"×": "*", "÷": "/"}  # (SmolLM2 has no token for "÷": the call could not be spelled as written)
 
 
 def sum_in(question: str) -> str | None:
-    """The one sum a question writes in symbols, as it writes it, where the calculator reads it ("What is 2 + 2
-    * 3?" -> "2 + 2 * 3"); None for none or more than one. Why: asked that, the model sent "2 * 3" (and "7 * 8 *
-    5" for 7 * 8 - 5), or answered "Result = 4 - 6" and "Result = 101" (99 + 1) with no call at all."""
-    found = [match.group(0).strip() for match in _SUM.finditer(question)]
-    found = [text.rstrip(",.") for text in found]
-    return found[0] if len(found) == 1 and reads(found[0]) else None
+    """The one sum a question writes in symbols, where the calculator reads it ("What is 2 + 2 * 3?" -> "2 + 2 *
+    3"; × and ÷ as * and /, one space for each run of them); None for none, more than one, or a ratio, date or
+    score-like `a/b` or `a-b` ("the 80/20 rule", "24/7": the model says what they are). Why: asked "2 + 2 * 3", the
+    model sent "2 * 3" (and "7 * 8 * 5" for 7 * 8 - 5), or answered "Result = 4 - 6" and "Result = 101" (99 + 1)
+    with no call at all."""
+    if not _MAY_HOLD_A_SUM.search(question):
+        return None
+    found = [match.group(0).strip().rstrip(",") for match in _SUM.finditer(question)]
+    if len(found) != 1 or _NOT_A_SUM.fullmatch(found[0]) or not reads(found[0]):
+        return None
+    text = re.sub(r"\s+", " ", found[0])
+    for written, spelled in _SPELLED.items():
+        text = text.replace(written, spelled)
+    return text
 
 
 def calculate(expression: str) -> str:
