@@ -66,3 +66,14 @@ def test_an_arithmetic_answer_writes_the_calculators_number(engine, question, nu
     assert answers[0].token_ids == answers[1].token_ids  # cache on and off: the same tokens
 
 
+
+
+@pytest.mark.parametrize("question, entry", [("What is barn?", "barn: "), ("What is a magic cookie?", "magic cookie: "),
+                                             ("Define toaster.", "toaster: ")])
+def test_a_question_about_a_headword_answers_from_its_entry(engine, question, entry):
+    """Regression (answer_quality.py --set dev / wide): "Result = Barn" and "A magic cookie is a small language
+    model with a calculator and the Jargon File" with no look-up; "Define toaster." sent to the Calculator."""
+    episode = engine.ask(engine.new_session(), question, PAGE)
+    [tool] = [s for s in episode.segments if s.kind == "tool"]
+    assert tool.tool == "Search" and tool.text.startswith(entry)
+    assert episode.answer.lower().startswith("result = " + entry.lower())

@@ -230,3 +230,14 @@ def test_a_claimed_call_that_would_be_cut_is_left_to_the_model(tiny_llama, token
     assert engine.claimed_call("What is 2 + 2 * 3?", Settings(), room=length) is None
     episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(max_new_tokens=length))
     assert episode.segments[0].text == "Result = 8<submit>"
+
+
+def test_a_question_about_a_headword_is_looked_up(tiny_llama, tokenizer):
+    """Regression: asked "What is barn?" the model answered "Result = Barn" with no look-up, and "Define toaster."
+    went to the Calculator: the meaning of a Jargon File headword is the Search tool's (Tool.claims)."""
+    engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "<request><Calculator>toaster<call>"))),
+                    prompt=PROMPT)
+    episode = engine.ask(prime(engine), "Define toaster.", Settings(max_new_tokens=24, max_turns=1))
+    call, output = episode.segments[:2]
+    assert (call.text, call.stop.label) == ("<request><Search>toaster<call>", "string match <call>")
+    assert output.tool == "Search" and output.text.startswith("toaster: ")

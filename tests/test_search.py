@@ -11,7 +11,7 @@ import pytest
 
 from app.tools import search
 from app.tools.registry import ToolError
-from app.tools.search import FtsSearch, Hit, JARGON_CORPUS, fts_match_expression, search_tool
+from app.tools.search import FtsSearch, Hit, JARGON_CORPUS, fts_match_expression, search_tool, term_in
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +218,17 @@ def test_an_abbreviation_is_defined_by_what_it_stands_for(word, definition) -> N
     AFAIK:"; the expansion alone it copies ("Result = AFAIK: As Far As I Know"), and AFK's is not lengthened with
     the next sentence as a short first sentence is (the model paraphrased that: "A message that is sent to …")."""
     assert search_tool(word) == f"{word}: {definition}" or search_tool(word).startswith(f"{word}: {definition} ")
+
+
+@pytest.mark.parametrize("question, term", [
+    ("What is a magic cookie?", "magic cookie"), ("What is gumby?", "gumby"), ("Define toaster.", "toaster"),
+    ("Explain the term semi.", "semi"), ("Define clocks.", "clocks"), ("What does grok mean?", "grok"),
+    ("What is the meaning of kludge?", "kludge"), ("meaning of cruft", "cruft"), ("What are bogons?", "bogons"),
+    ("What is 404?", "404"),  # (a headword)
+    ("What is your name?", None), ("What's up?", None), ("Tell me about yourself.", None),  # greetings
+    ("What is love?", None),  # no such headword: the model's (it may still search)
+    ("What is 2 + 2?", None), ("What is a cookie in hacker slang?", None),  # more than a term
+    ("What is skewernet?", None),  # only spelled like one (sneakernet): the model's
+])
+def test_the_term_a_question_asks_the_meaning_of(question, term):
+    assert term_in(question) == term

@@ -66,13 +66,13 @@ class ToolResult:
 def default_tools() -> dict[str, Tool]:
     """All built-in tools by name, as a fresh dict on every call."""
     from app.tools.calculator import calculate, sum_in
-    from app.tools.search import first_entry, search_tool
+    from app.tools.search import first_entry, search_tool, term_in
 
     tools = [
         Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate,
              ability="a calculator", action="calculate", claims=sum_in),
         Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry,
-             ability="the Jargon File", action="look up"),
+             ability="the Jargon File", action="look up", claims=term_in),
     ]
     return {tool.name: tool for tool in tools}
 

@@ -320,6 +320,26 @@ def is_arithmetic(query: str) -> bool:
     return any(char.isdigit() for char in text) and not _NUMBER_ALONE.fullmatch(text) and reads(text)
 
 
+# A question that asks what one term means, and nothing else ("Define toaster.", "What is a magic cookie?", "What
+# does grok mean?", "Explain the term semi."); "what's" is left out: "What's up?" is a greeting, and up a headword
+_ASKS_A_TERM = re.compile(
+    r"\s*(?:define|explain(?: the (?:term|word))?|what (?:is|are)(?: the meaning of)?|(?:the )?meaning of"
+    r"|what does|what do)\s+(?:(?:an?|the)\s+)?(?P<term>[\w][\w' -]{0,39}?)(?:\s+mean)?\s*[.?!]*\s*", re.IGNORECASE)
+
+
+def term_in(question: str) -> str | None:
+    """The Jargon File headword a question asks the meaning of, as it writes it (a plural or another case too),
+    else None. Why: asked "What is a magic cookie?", "What is gumby?" or "What is barn?", the model answered
+    without a look-up ("Result = Barn"), and "Define toaster." went to the Calculator."""
+    asked = _ASKS_A_TERM.fullmatch(question[:MAX_QUERY_CHARS])
+    if asked is None or is_arithmetic(asked["term"]):
+        return None
+    term = asked["term"].strip()
+    hits = get_backend().search(term, 1)
+    named = hits and hits[0].exact and hits[0].near is None and _key(hits[0].title) in headword_keys(term)[:4]
+    return term if named else None
+
+
 def search_tool(query: str) -> str:
     """The Search tool: top hits in the Jargon File as compact text."""
     if not isinstance(query, str) or not query.strip():
