@@ -9,7 +9,7 @@ import pytest
 from app.decoding import StopReason
 from app.engine import Engine, Episode, Settings
 from app.protocol import encode
-from app.tools.registry import Tool, ToolError, default_tools
+from app.tools.registry import Tool, ToolError, default_tools, get_tools
 from app.tools.search import Hit, set_backend
 from components.chat import episode_messages as messages_of, escape_text
 from tests.conftest import forced, plan_text, prime
@@ -241,3 +241,4 @@ def test_a_question_about_a_headword_is_looked_up(tiny_llama, tokenizer):
     call, output = episode.segments[:2]
     assert (call.text, call.stop.label) == ("<request><Search>toaster<call>", "string match <call>")
     assert output.tool == "Search" and output.text.startswith("toaster: ")
+    assert Engine(tiny_llama, tools=get_tools(["Calculator"]), prompt=PROMPT).claimed_call("Define toaster.") is None

@@ -229,6 +229,22 @@ def test_an_abbreviation_is_defined_by_what_it_stands_for(word, definition) -> N
     ("What is love?", None),  # no such headword: the model's (it may still search)
     ("What is 2 + 2?", None), ("What is a cookie in hacker slang?", None),  # more than a term
     ("What is skewernet?", None),  # only spelled like one (sneakernet): the model's
+    ("What is up?", None), ("Define me.", None), ("What is life?", None),  # chat words (review: up, /me, Life)
+    ("What is a hacker?" + " " * 483 + "and tell me about its history", None),  # longer than a query
 ])
 def test_the_term_a_question_asks_the_meaning_of(question, term):
     assert term_in(question) == term
+
+
+def test_a_failing_index_leaves_the_question_to_the_model(caplog):
+    class Broken:
+        def search(self, query: str, limit: int) -> list[Hit]:
+            raise RuntimeError("index gone")
+
+    search.set_backend(Broken())
+    try:
+        with caplog.at_level("ERROR", logger="app.tools.search"):
+            assert term_in("What is a hacker?") is None
+    finally:
+        search.set_backend(None)
+    assert any("for a claim failed" in r.message for r in caplog.records)

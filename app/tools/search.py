@@ -327,17 +327,31 @@ _ASKS_A_TERM = re.compile(
     r"|what does|what do)\s+(?:(?:an?|the)\s+)?(?P<term>[\w][\w' -]{0,39}?)(?:\s+mean)?\s*[.?!]*\s*", re.IGNORECASE)
 
 
+# Words a chat asks about that are also headwords ("What is up?", "What is life?", "Define me." would get the
+# entries up, Life and /me): never claimed, the model answers them as it sees fit
+_CHAT_TERMS = frozenset({"up", "life", "me", "you", "it", "this", "that", "love"})
+
+
 def term_in(question: str) -> str | None:
     """The Jargon File headword a question asks the meaning of, as it writes it (a plural or another case too),
     else None. Why: asked "What is a magic cookie?", "What is gumby?" or "What is barn?", the model answered
     without a look-up ("Result = Barn"), and "Define toaster." went to the Calculator."""
-    asked = _ASKS_A_TERM.fullmatch(question[:MAX_QUERY_CHARS])
-    if asked is None or is_arithmetic(asked["term"]):
+    asked = _ASKS_A_TERM.fullmatch(question) if len(question) <= MAX_QUERY_CHARS else None
+    if asked is None or is_arithmetic(asked["term"]) or _key(asked["term"]) in _CHAT_TERMS:
         return None
     term = asked["term"].strip()
-    hits = get_backend().search(term, 1)
-    named = hits and hits[0].exact and hits[0].near is None and _key(hits[0].title) in headword_keys(term)[:4]
-    return term if named else None
+    try:
+        hits = get_backend().search(term, 1)
+    except Exception:  # a claim is a shortcut: without it the model chooses, and the tool reports the failure
+        log.exception("looking up %r for a claim failed", term)
+        return None
+    return term if hits and names_headword(term, hits[0]) else None
+
+
+def names_headword(term: str, hit: Hit) -> bool:
+    """Whether `term` names the hit's headword itself (any case, a plural; not a headword only spelled like it,
+    not a headword whose own first character is punctuation: "me" is not /me)."""
+    return hit.exact and hit.near is None and hit.title[:1].isalnum() and _key(hit.title) in headword_keys(term)
 
 
 def search_tool(query: str) -> str:
