@@ -214,10 +214,9 @@ class Engine:
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
     def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:
-        """The call a question's answer opens with where one of the session's tools claims it (a sum in symbols:
-        the Calculator, with the sum as the question writes it), else None: the model chooses. None too where
-        the call could not be run (max_turns 0) or written whole (max_new_tokens, or `room` left in max_length):
-        a call cut short would end the turn with no answer, where the model might have answered."""
+        """The call a question's answer opens with where one of the session's tools claims it (Tool.claims), else
+        None: the model chooses; None too where it could not run (max_turns 0) or be written whole (max_new_tokens,
+        `room` left in max_length): a call cut short would end the turn with no answer."""
         if settings is not None and settings.max_turns <= 0:
             return None
         for tool in self.tools.values():
