@@ -285,8 +285,6 @@ class AnswerGrammar:
     def banned(self, line: AnswerLine) -> torch.Tensor | None:
         """The ids of the tokens the line cannot take next; None off the answer line (and not right after the
         question or a tool's output)."""
-        if line.opening_due is not None:
-            return self._ban(("opening",), lambda text: False)  # none: allowed() keeps the opening's tokens only
         if line.head is not None:
             head = line.head
             return self._ban(("after tool", head), lambda text: not opens_well(head + text))
@@ -319,9 +317,6 @@ class AnswerGrammar:
         """Until the answer line has written the Calculator's number whole, the only tokens it may take (those that
         go on with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary
         (which cost 20 chats at once ~1 s a turn)."""
-        rest = line.opening_due
-        if rest is not None:
-            return self._spelling(rest)
         written, number = line.number_due, line.number
         if written is None or written.startswith(number) or line.open_tag is not None:
             return None
@@ -333,7 +328,7 @@ class AnswerGrammar:
             rest = number[len(written):]
             # (the tokens that are a part of it exactly: looked up, not scanned; the first part is often " ", the
             # start of ~32,000 tokens' texts: 13 ms a new number, in the scheduler's thread)
-            allowed = [i for k in range(1, len(rest)) for i in self._exact.get(rest[:k], ())]
+            allowed = self._parts(rest, len(rest) - 1)
             allowed += [i for i in self._starting(rest) if number_allows(written, number, self._texts[i])]
             self._banned[key] = torch.tensor(sorted(allowed), dtype=torch.long)
         return self._banned[key]
@@ -346,9 +341,13 @@ class AnswerGrammar:
             import torch
 
             self._forget_numbers()
-            ids = sorted(i for k in range(1, len(rest) + 1) for i in self._exact.get(rest[:k], ()))
+            ids = sorted(self._parts(rest, len(rest)))
             self._banned[key] = torch.tensor(ids, dtype=torch.long) if ids else None
         return self._banned[key]
+
+    def _parts(self, text: str, longest: int) -> list[int]:
+        """The ids of the tokens whose text is `text`'s first 1 to `longest` characters: looked up, not scanned."""
+        return [i for k in range(1, longest + 1) for i in self._exact.get(text[:k], ())]
 
     def _starting(self, prefix: str) -> list[int]:
         """The ids of the tokens whose text starts with `prefix` (from the sorted texts)."""
@@ -373,10 +372,13 @@ class AnswerGrammar:
         Where the answer line can end, the newlines' probability goes to the `<` of `<submit>`: a newline is how
         the model ends a line, and the format ends the answer's line with `<submit>`; while a bracket is open,
         that probability goes to `)` instead, and the `<` too."""
+        if (rest := line.opening_due) is not None:  # a claimed call: its tokens only (no other rule applies)
+            spelling = self._spelling(rest)
+            return logits if spelling is None else _keep(logits, spelling)
         banned = self.banned(line)
         if banned is None:
             return logits
-        allowed = self.allowed(line)  # (a claimed call's opening: an empty ban above, and its tokens kept here)
+        allowed = self.allowed(line)
         out = logits.clone()
         if line.can_end:
             import torch
@@ -386,8 +388,11 @@ class AnswerGrammar:
                 out[self._close], ending = torch.logaddexp(out[self._close], ending), float("-inf")
             out[self._lt] = ending
         out[banned] = float("-inf")
-        if allowed is not None:  # (after the bans: a token both allows and bans stays banned)
-            kept = out[allowed]
-            out.fill_(float("-inf"))
-            out[allowed] = kept
-        return out
+        return out if allowed is None else _keep(out, allowed)  # (after the bans: allowed and banned stays banned)
+
+
+def _keep(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of `ids` alone, the others at -inf."""
+    out = logits.new_full(logits.shape, float("-inf"))
+    out[ids] = logits[ids]
+    return out
