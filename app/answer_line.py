@@ -34,37 +34,19 @@ tokens spell that call first, `<request><Calculator>2 + 2 * 3<call>`, each one a
 (the model picks how it is cut): asked "What is 2 + 2 * 3?" the model sent "2 * 3", and "What is 4 - 6?" it
 answered "Result = 4 - 6" with no call.
 
-This is a constraint on the next token, like a grammar in serving engines: deterministic, applied in the same
-way with the cache on or off and to verified drafts, so greedy output stays a pure function of the token ids.
+The tokens each state allows are app.answer_grammar's.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import re
-from typing import TYPE_CHECKING
 
-from app.protocol import ANSWER_PREFIX, CALL, NEXT_QUESTION, QUESTION_PREFIX, REQUEST, RESPONSE, SUBMIT
-
-if TYPE_CHECKING:
-    import torch
+from app.protocol import ANSWER_PREFIX, NEXT_QUESTION, REQUEST, SUBMIT
 
 _TAG = re.compile(r"<([A-Za-z]*)")
 _OPEN_TAG = re.compile(r"<([A-Za-z]*)$")
 _GLUED = re.compile(r"\S<[A-Za-z]*$")  # a `<` right after the answer's text: it ends the line (not "3 < 5")
 _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
-# A call and its output, a number alone (the Calculator's: app.tools.numbers.format_number: 943, -24, 0.3, 1.5e20;
-# also a sum Search passed on to it, see app.tools.registry.Misrouted), at the end of the ids
-_CALCULATED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
-                         + re.escape(RESPONSE) + r"\Z")
-_NUMBER_START = frozenset("0123456789-+.")
-
-
-def _writes_a_number(text: str) -> bool:
-    return text.lstrip()[:1] in _NUMBER_START
-
-
 # What, right after a number, goes on with it: a digit; a point or comma and a digit; an exponent
 _GOES_ON = re.compile(r"\d|[.,]\d|[eE][-+]?\d")
 # What, right after a number, may still go on with it ("64." may become 64.5: the rule stays on while it may)
@@ -120,7 +102,7 @@ def asks_next(start: str) -> bool:
     return bool(opening) and (question.startswith(opening) or opening.startswith(question))
 
 
-def _spells_submit(text: str) -> bool:
+def spells_submit(text: str) -> bool:
     """Whether text, which opens with `<`, goes on spelling `<submit>` (up to its `>`) and adds something."""
     return len(text) > 1 and SUBMIT.startswith(text)
 
@@ -240,159 +222,3 @@ class AnswerLine:
                 self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)
         self._opening = (self._opening + delta)[: len(self._prefix) + 8]
         self._end = (self._end + delta)[-len(SUBMIT):]  # long enough for an open `<submit`
-
-
-class AnswerGrammar:
-    """The tokens banned on the answer line, for one tokenizer: each token's text is decoded once per model
-    (~0.3 s), and the banned set for each open `<tag` state (a handful) is computed when first needed."""
-
-    def __init__(self, tokenizer):
-        self._texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
-        self._newlines = [i for i, text in enumerate(self._texts) if "\n" in text and not text.strip()]
-        self._lt = self._texts.index(SUBMIT[0])  # the `<` that opens `<submit>`
-        self._close = self._texts.index(")")
-        # for the Calculator's number (number_allows): the tokens that begin a number; all (text, id), sorted
-        self._numeric = [i for i, text in enumerate(self._texts) if _writes_a_number(text)]
-        self._sorted = sorted((text, i) for i, text in enumerate(self._texts))
-        self._exact: dict[str, list[int]] = {}  # text -> the ids whose text it is
-        for i, text in enumerate(self._texts):
-            self._exact.setdefault(text, []).append(i)
-        # (rule, its state) -> the ids it bans; a handful of states, each computed once
-        self._banned: dict[tuple, torch.Tensor | None] = {}
-
-    def text(self, token: int) -> str:
-        """A token's text, as decoded once here (no tokenizer call, so no lock)."""
-        return self._texts[token]
-
-    def calculated(self, ids: list[int]) -> str | None:
-        """The Calculator's output when these ids end with its call and output (the number the answer writes)."""
-        found = _CALCULATED.search("".join(self._texts[i] for i in ids[-64:]))
-        return found[1] if found else None
-
-    def follows_a_question(self, ids: list[int]) -> bool:
-        """Whether a segment that starts after these ids starts the reply to a question: they end with the
-        question's line ("Q: ...\n", as app.engine writes it), whole within the last 1,200 ids (a longer line is
-        not recognised, and has no such rule)."""
-        text = "".join(self._texts[i] for i in ids[-1200:])
-        line = text[:-1].rsplit("\n", 1)
-        return text.endswith("\n") and len(line) == 2 and line[1].startswith(QUESTION_PREFIX)
-
-    def follows_a_tool(self, ids: list[int]) -> bool:
-        """Whether a segment that starts after these ids follows a tool's output: the texts of the last few ids end
-        with the tools' `<response>` marker."""
-        return "".join(self._texts[i] for i in ids[-len(RESPONSE):]).endswith(RESPONSE)
-
-    def banned(self, line: AnswerLine) -> torch.Tensor | None:
-        """The ids of the tokens the line cannot take next; None off the answer line (and not right after the
-        question or a tool's output)."""
-        if line.head is not None:
-            head = line.head
-            return self._ban(("after tool", head), lambda text: not opens_well(head + text))
-        if line.start is not None:
-            start = line.start
-            return self._ban(("after question", start), lambda text: asks_next(start + text))
-        if not line.on_answer:
-            return None
-        state = line.open_tag
-        if state is not None and line.glued_tag:  # "Result = Toaster<": `submit>` only (not "Toaster<1><submit>")
-            return self._ban(("glued", state), lambda text: not _spells_submit("<" + state + text))
-        tag = "" if state is None else "<" + state
-        banned = self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
-        written, number = line.number_due, line.number
-        if number is None or written is None or not written.startswith(number) or state is not None:
-            return banned  # (the number not yet whole: allowed(), not a ban)
-        # right after the number ("64", "64."): those that go on with it. Which those are depends on what the line
-        # wrote after the number only (number_allows is then "not _goes_on_a_number(tail + text)"), so one state
-        # serves every number: keyed by the number too, each Calculator result scanned the ~3,000 number tokens
-        # again (15 ms a result in the scheduler's thread, with every row waiting)
-        key = ("number", written[len(number):])
-        if key not in self._banned:
-            import torch
-
-            barred = [i for i in self._numeric if not number_allows(written, number, self._texts[i])]
-            self._banned[key] = torch.cat([banned, torch.tensor(barred, dtype=torch.long)])  # (repeats do no harm)
-        return self._banned[key]
-
-    def allowed(self, line: AnswerLine) -> torch.Tensor | None:
-        """Until the answer line has written the Calculator's number whole, the only tokens it may take (those that
-        go on with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary
-        (which cost 20 chats at once ~1 s a turn)."""
-        written, number = line.number_due, line.number
-        if written is None or written.startswith(number) or line.open_tag is not None:
-            return None
-        key = ("allowed", number, written)
-        if key not in self._banned:
-            import torch
-
-            self._forget_numbers()
-            rest = number[len(written):]
-            # (the tokens that are a part of it exactly: looked up, not scanned; the first part is often " ", the
-            # start of ~32,000 tokens' texts: 13 ms a new number, in the scheduler's thread)
-            allowed = self._parts(rest, len(rest) - 1)
-            allowed += [i for i in self._starting(rest) if number_allows(written, number, self._texts[i])]
-            self._banned[key] = torch.tensor(sorted(allowed), dtype=torch.long)
-        return self._banned[key]
-
-    def _spelling(self, rest: str) -> torch.Tensor | None:
-        """The tokens that spell the next part of `rest` (each token is a prefix of it; the model picks how it is
-        cut); None where no token does (no constraint rather than no token at all)."""
-        key = ("opening", rest)
-        if key not in self._banned:
-            import torch
-
-            self._forget_numbers()
-            ids = sorted(self._parts(rest, len(rest)))
-            self._banned[key] = torch.tensor(ids, dtype=torch.long) if ids else None
-        return self._banned[key]
-
-    def _parts(self, text: str, longest: int) -> list[int]:
-        """The ids of the tokens whose text is `text`'s first 1 to `longest` characters: looked up, not scanned."""
-        return [i for k in range(1, longest + 1) for i in self._exact.get(text[:k], ())]
-
-    def _starting(self, prefix: str) -> list[int]:
-        """The ids of the tokens whose text starts with `prefix` (from the sorted texts)."""
-        first = bisect.bisect_left(self._sorted, (prefix, -1))
-        return [i for _, i in itertools.takewhile(lambda item: item[0].startswith(prefix), self._sorted[first:])]
-
-    def _forget_numbers(self) -> None:
-        """Bound the cache: each Calculator result adds a few states (a few hundred results at most are kept)."""
-        if len(self._banned) > 2048:
-            for old in [k for k in self._banned if k[0] in ("number", "allowed", "opening")]:
-                del self._banned[old]
-
-    def _ban(self, key: tuple, bans) -> torch.Tensor:
-        if key not in self._banned:
-            import torch
-
-            self._banned[key] = torch.tensor([i for i, text in enumerate(self._texts) if bans(text)], dtype=torch.long)
-        return self._banned[key]
-
-    def mask(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
-        """One position's logits with the tokens the line cannot take at -inf (the logits themselves when none).
-        Where the answer line can end, the newlines' probability goes to the `<` of `<submit>`: a newline is how
-        the model ends a line, and the format ends the answer's line with `<submit>`; while a bracket is open,
-        that probability goes to `)` instead, and the `<` too."""
-        if (rest := line.opening_due) is not None:  # a claimed call: its tokens only (no other rule applies)
-            spelling = self._spelling(rest)
-            return logits if spelling is None else _keep(logits, spelling)
-        banned = self.banned(line)
-        if banned is None:
-            return logits
-        allowed = self.allowed(line)
-        out = logits.clone()
-        if line.can_end:
-            import torch
-
-            ending = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
-            if line.owes_bracket:
-                out[self._close], ending = torch.logaddexp(out[self._close], ending), float("-inf")
-            out[self._lt] = ending
-        out[banned] = float("-inf")
-        return out if allowed is None else _keep(out, allowed)  # (after the bans: allowed and banned stays banned)
-
-
-def _keep(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The logits of `ids` alone, the others at -inf."""
-    out = logits.new_full(logits.shape, float("-inf"))
-    out[ids] = logits[ids]
-    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from app.answer_line import AnswerGrammar
+from app.answer_grammar import AnswerGrammar
 from app.attention import use_gqa_sdpa
 from app.int8 import SAVED_INT8, int8_state, to_int8
 from app.ragged import supports

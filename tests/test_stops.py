@@ -604,7 +604,7 @@ def test_what_opens_the_next_question_right_after_a_question(start, asks):
     ("<request><Search>grok<call>grok: To understand<response>", False), ("Q: " + "word " * 1300 + "\n", False),
 ])
 def test_which_ids_end_with_the_question(tokenizer, text, follows):
-    from app.answer_line import AnswerGrammar
+    from app.answer_grammar import AnswerGrammar
 
     ids = tokenizer("You answer questions.\n\n" + text, add_special_tokens=False)["input_ids"]
     assert AnswerGrammar(tokenizer).follows_a_question(ids) is follows
@@ -635,7 +635,7 @@ def test_after_the_calculator_the_answer_line_begins_with_its_output(written, te
     ("<request><Search>3 - 7<call>-4<response>", "-4"),  # (a sum Search passed on to the Calculator)
 ])
 def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenizer, tail, number):
-    from app.answer_line import AnswerGrammar
+    from app.answer_grammar import AnswerGrammar
 
     ids = tokenizer("Q: What is it?\n" + tail, add_special_tokens=False)["input_ids"]
     assert AnswerGrammar(tokenizer).calculated(ids) == number
@@ -675,7 +675,8 @@ def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_
 def test_after_the_calculators_number_a_point_cannot_lead_to_more_digits(tokenizer, after):
     """Regression (review): the rule let "." follow the number and then let go of it: sampling (temperature 1)
     answered "Result = 64.2536" and "Result = 64.0" where the Calculator said 64 (2 of 33 runs)."""
-    from app.answer_line import AnswerGrammar, AnswerLine
+    from app.answer_grammar import AnswerGrammar
+    from app.answer_line import AnswerLine
 
     grammar, line = AnswerGrammar(tokenizer), AnswerLine(after_tool=True, number="64")
     for piece in ["\n", "Result", " =", " 64", after]:
@@ -687,7 +688,8 @@ def test_after_the_calculators_number_a_point_cannot_lead_to_more_digits(tokeniz
 
 def test_the_calculators_number_is_kept_by_a_few_allowed_ids_not_a_ban_of_the_vocabulary(tokenizer):
     """Regression (load test, 20 chats: ~1 s a turn): once the number was begun, every token banned ~49,000 ids."""
-    from app.answer_line import AnswerGrammar, AnswerLine, number_allows
+    from app.answer_grammar import AnswerGrammar
+    from app.answer_line import AnswerLine, number_allows
 
     grammar, line = AnswerGrammar(tokenizer), AnswerLine(after_tool=True, number="-24")
     for piece in ["\n", "Result", " =", " -", "2", "4", "<"]:
@@ -708,7 +710,8 @@ def test_the_number_rules_states_are_shared_and_allow_what_number_allows_says(to
     every row waiting), and each new number found the tokens that are a part of it by scanning the ~32,000 whose
     text starts with " " (13 ms). One state now serves every number; token by token, what the line may take is
     what number_allows says (brute force over the vocabulary)."""
-    from app.answer_line import AnswerGrammar, AnswerLine, breaks_the_line, number_allows
+    from app.answer_grammar import AnswerGrammar
+    from app.answer_line import AnswerLine, breaks_the_line, number_allows
 
     grammar = AnswerGrammar(tokenizer)
     texts = [grammar.text(i) for i in range(len(tokenizer))]
