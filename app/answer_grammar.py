@@ -12,8 +12,9 @@ import itertools
 import re
 from typing import TYPE_CHECKING
 
-from app.answer_line import AnswerLine, asks_next, breaks_the_line, number_allows, opens_well, spells_submit
+from app.answer_line import AnswerLine, asks_next, breaks_the_line, number_allows, opens_well, owed_allows, spells_submit
 from app.protocol import CALL, QUESTION_PREFIX, REQUEST, RESPONSE, SUBMIT
+from app.tools.search import NO_RESULTS
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
 # also a sum Search passed on to it, see app.tools.registry.Misrouted), at the end of the ids
 _CALCULATED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
                          + re.escape(RESPONSE) + r"\Z")
+# A Search call (the Jargon File's tool, app.tools.registry) and its output, one entry (`term: definition`, one
+# line, no tag; not an error, not "no results"), at the end of the ids
+_LOOKED_UP = re.compile(re.escape(REQUEST) + r"<Search>[^<]*" + re.escape(CALL)
+                        + r"(?!error: |" + re.escape(NO_RESULTS) + r")([^<\n]+?: [^<\n]+)" + re.escape(RESPONSE) + r"\Z")
 _NUMBER_START = frozenset("0123456789-+.")
 
 
@@ -56,6 +61,12 @@ class AnswerGrammar:
         found = _CALCULATED.search("".join(self._texts[i] for i in ids[-64:]))
         return found[1] if found else None
 
+    def looked_up(self, ids: list[int]) -> str | None:
+        """The one entry a tool's output gave when these ids end with its call and that output (the answer's
+        opening); None after several entries, an error, or an output too long to be within the last 200 ids."""
+        found = _LOOKED_UP.search("".join(self._texts[i] for i in ids[-200:]))
+        return found[1] if found else None
+
     def follows_a_question(self, ids: list[int]) -> bool:
         """Whether a segment that starts after these ids starts the reply to a question: they end with the
         question's line ("Q: ...\n", as app.engine writes it), whole within the last 1,200 ids (a longer line is
@@ -85,9 +96,9 @@ class AnswerGrammar:
             return self._ban(("glued", state), lambda text: not spells_submit("<" + state + text))
         tag = "" if state is None else "<" + state
         banned = self._ban(("answer", state), lambda text: breaks_the_line(tag + text))
-        written, number = line.number_due, line.number
-        if number is None or written is None or not written.startswith(number) or state is not None:
-            return banned  # (the number not yet whole: allowed(), not a ban)
+        written, number = line.owed_due, line.owed
+        if not line.numeric or written is None or not written.startswith(number) or state is not None:
+            return banned  # (no number, or not yet whole: allowed(), not a ban)
         # right after the number ("64", "64."): those that go on with it. Which those are depends on what the line
         # wrote after the number only (number_allows is then "not _goes_on_a_number(tail + text)"), so one state
         # serves every number: keyed by the number too, each Calculator result scanned the ~3,000 number tokens
@@ -101,23 +112,24 @@ class AnswerGrammar:
         return self._banned[key]
 
     def allowed(self, line: AnswerLine) -> torch.Tensor | None:
-        """Until the answer line has written the Calculator's number whole, the only tokens it may take (those that
-        go on with it, or end it): a few ids, so a row's mask keeps them rather than banning the whole vocabulary
-        (which cost 20 chats at once ~1 s a turn)."""
-        written, number = line.number_due, line.number
-        if written is None or written.startswith(number) or line.open_tag is not None:
+        """Until the answer line has written the tool's output it owes (the Calculator's number, a look-up's entry)
+        whole, the only tokens it may take (those that go on with it, or end it): a few ids, so a row's mask keeps
+        them rather than banning the whole vocabulary (which cost 20 chats at once ~1 s a turn). None where no
+        token goes on with it (a character no token's text holds): the model's choice then, not no token at all."""
+        written, owed = line.owed_due, line.owed
+        if written is None or written.startswith(owed) or line.open_tag is not None:
             return None
-        key = ("allowed", number, written)
+        key = ("allowed", owed, written)
         if key not in self._banned:
             import torch
 
             self._forget_numbers()
-            rest = number[len(written):]
+            rest = owed[len(written):]
             # (the tokens that are a part of it exactly: looked up, not scanned; the first part is often " ", the
             # start of ~32,000 tokens' texts: 13 ms a new number, in the scheduler's thread)
             allowed = self._parts(rest, len(rest) - 1)
-            allowed += [i for i in self._starting(rest) if number_allows(written, number, self._texts[i])]
-            self._banned[key] = torch.tensor(sorted(allowed), dtype=torch.long)
+            allowed += [i for i in self._starting(rest) if owed_allows(written, owed, self._texts[i], line.numeric)]
+            self._banned[key] = torch.tensor(sorted(allowed), dtype=torch.long) if allowed else None
         return self._banned[key]
 
     def _spelling(self, rest: str) -> torch.Tensor | None:
@@ -142,7 +154,7 @@ class AnswerGrammar:
         return [i for _, i in itertools.takewhile(lambda item: item[0].startswith(prefix), self._sorted[first:])]
 
     def _forget_numbers(self) -> None:
-        """Bound the cache: each Calculator result adds a few states (a few hundred results at most are kept)."""
+        """Bound the cache: each tool result adds a few states (a number a few, an entry one a token it spells)."""
         if len(self._banned) > 2048:
             for old in [k for k in self._banned if k[0] in ("number", "allowed", "opening")]:
                 del self._banned[old]

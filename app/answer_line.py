@@ -29,6 +29,12 @@ the model dropped the sign of a negative result ("5 - 29": the tool said -24, th
 3 negative results), once wrote 100 for "4,096 / 64" where the tool said 64, and where only a number it began was
 held to the output, wrote "Result = (-150)" or "Result =  –15" (an en dash). Words after the number stay free.
 
+After a look-up that found one entry (a tool's output of one line, `term: definition`), the answer line begins with
+that entry, whole, as the prompt asks ("A look-up's answer is the definition the tool returned") and every example
+answers: with the entry in front of it, the model wrote "Result = what a daemon is" (asked "Explain what a daemon
+is."), "Result = A newbie." for "A Usenet neophyte", "metasytactic" for "metasyntactic". What it writes after the
+entry stays free. Several entries (no headword named) leave the choice to the model.
+
 Where a tool claims the question (`Tool.claims`: a sum written in symbols is the Calculator's), the reply's
 tokens spell that call first, `<request><Calculator>2 + 2 * 3<call>`, each one a token whose text goes on with it
 (the model picks how it is cut): asked "What is 2 + 2 * 3?" the model sent "2 * 3", and "What is 4 - 6?" it
@@ -61,10 +67,16 @@ def _goes_on_a_number(rest: str) -> bool:
 def number_allows(written: str, number: str, text: str) -> bool:
     """Whether the answer line, with `written` after its `Result =`, may take `text` next when the Calculator gave
     `number` (" " + its output): the line begins with the number, whole; after it, anything but more of a number."""
+    return owed_allows(written, number, text, numeric=True)
+
+
+def owed_allows(written: str, owed: str, text: str, numeric: bool) -> bool:
+    """Whether the answer line, with `written` after its `Result =`, may take `text` next when it owes `owed` (" " +
+    a tool's output): the line begins with it, whole; after it anything (after a number: anything but more of it)."""
     after = written + text
-    if number.startswith(after):
+    if owed.startswith(after):
         return True
-    return after.startswith(number) and not _goes_on_a_number(after[len(number):])
+    return after.startswith(owed) and not (numeric and _goes_on_a_number(after[len(owed):]))
 
 
 def breaks_the_line(text: str) -> bool:
@@ -117,11 +129,13 @@ class AnswerLine:
     line or a tool's `<response>`)."""
 
     def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False, number: str | None = None,
-                 after_question: bool = False, opening: str | None = None):
+                 after_question: bool = False, opening: str | None = None, entry: str | None = None):
         self._prefix = prefix
         self._opening_due, self._begun = opening or None, ""  # the text the segment must spell first, and so far
-        self._number = None if number is None else " " + number  # the Calculator's output, as the answer writes it
-        self._line = ""  # the current line, while `number` may still be due on it
+        owed = number if number is not None else entry  # a tool's output the answer line begins with
+        self._owed = None if owed is None else " " + owed  # (as the answer writes it)
+        self._numeric = number is not None  # (then no more of the number after it)
+        self._line = ""  # the current line, while the owed output may still be due on it
         self._opening = ""  # the line's first characters: whether it is the answer line
         self._end = ""  # its last characters: an open `<tag`
         self._brackets = 0  # round brackets the line has opened and not closed
@@ -154,21 +168,27 @@ class AnswerLine:
         return self._opening.lstrip().startswith(self._prefix)
 
     @property
-    def number_due(self) -> str | None:
-        """While the number's rule holds, the answer line's text after `Result =` so far: until the Calculator's
-        number is whole, and after it while what follows may still go on with it ("64." could be 64.5)."""
-        if self._number is None or not self.on_answer:
+    def owed_due(self) -> str | None:
+        """While the rule of a tool's output holds, the answer line's text after `Result =` so far: until the
+        output is whole, and after a number while what follows may still go on with it ("64." could be 64.5)."""
+        if self._owed is None or not self.on_answer:
             return None
         written = self._line.lstrip()[len(self._prefix):]
-        if self._number.startswith(written):  # (not begun, or begun)
+        if self._owed.startswith(written):  # (not begun, or begun)
             return written
-        whole = written.startswith(self._number) and _MAY_GO_ON.fullmatch(written[len(self._number):])
+        whole = self._numeric and written.startswith(self._owed) and _MAY_GO_ON.fullmatch(written[len(self._owed):])
         return written if whole else None  # (whole, and what follows may still go on with it)
 
     @property
-    def number(self) -> str | None:
-        """The Calculator's output the answer line must write as its number (" " + it), if any."""
-        return self._number
+    def owed(self) -> str | None:
+        """The tool's output the answer line must begin with (" " + it), if any: the Calculator's number, or the
+        one entry a look-up found."""
+        return self._owed
+
+    @property
+    def numeric(self) -> bool:
+        """Whether the owed output is the Calculator's number (no more of a number may follow it)."""
+        return self._numeric
 
     @property
     def can_end(self) -> bool:
@@ -195,7 +215,7 @@ class AnswerLine:
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
         other._opening, other._end, other._head, other._start = self._opening, self._end, self._head, self._start
-        other._number, other._line = self._number, self._line
+        other._owed, other._numeric, other._line = self._owed, self._numeric, self._line
         other._brackets = self._brackets
         other._opening_due, other._begun = self._opening_due, self._begun
         return other
@@ -215,8 +235,8 @@ class AnswerLine:
             self._opening = self._end = self._line = ""
             self._brackets = 0
             delta = delta.rsplit("\n", 1)[-1]
-        if self._number is not None and len(self._line) < len(self._prefix) + len(self._number) + 8:
-            self._line += delta  # (only as long as the number's rule needs it)
+        if self._owed is not None and len(self._line) < len(self._prefix) + len(self._owed) + 8:
+            self._line += delta  # (only as long as the owed output's rule needs it)
         for char in delta:  # (a `)` with none open closes nothing: "Result = :)")
             if char in "()":
                 self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)

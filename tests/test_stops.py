@@ -641,6 +641,60 @@ def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenize
     assert AnswerGrammar(tokenizer).calculated(ids) == number
 
 
+@pytest.mark.parametrize("tail, entry", [
+    ("<request><Search>grok<call>grok: To understand<response>", "grok: To understand"),
+    ("<request><Search>kludge<call>kludge (see kluge): A Rube Goldberg device<response>",
+     "kludge (see kluge): A Rube Goldberg device"),
+    ("<request><Search>joke<call>IYFEG: Insert Your Favorite Ethnic Group\nneat hack: A clever technique<response>", None),
+    ("<request><Calculator>x<call>error: name 'x' is not allowed<response>", None),
+    ('<request><Search>xyzzyqq<call>no results for "xyzzyqq"<response>', None),
+    ('<request><Search>a: b<call>no results for "a: b"<response>', None),
+    ("<request><Nope>x<call>unknown tool Nope (available: Calculator, Search)<response>", None),  # (only Search's)
+    ("<request><Search>x<call>error: index: gone<response>", None),
+    ("<request><Calculator>1+1<call>2<response>", None),
+    ("<request><Search>grok<call>grok: To understand<response>\nResult = grok: To understand", None),
+    ("<request><Search>x<call>x: " + "word " * 300 + "<response>", None),  # (not within the last 200 ids)
+])
+def test_the_grammar_finds_a_look_ups_one_entry_at_the_end_of_the_ids(tokenizer, tail, entry):
+    from app.answer_grammar import AnswerGrammar
+
+    ids = tokenizer("Q: What is it?\n" + tail, add_special_tokens=False)["input_ids"]
+    assert AnswerGrammar(tokenizer).looked_up(ids) == entry
+
+
+@pytest.mark.parametrize("written, text, allowed", [
+    ("", " daemon", True), ("", " what", False), ("", " Daemon", False), (" daemon", ":", True), (" daemon", " is", False),
+    (" daemon: A program", "<", False), (" daemon: A program that lies dormant", "<", True),
+    (" daemon: A program that lies dormant", "0", True), (" daemon: A program that lies dormant", ". It", True),
+])
+def test_after_a_look_ups_one_entry_the_answer_line_begins_with_it(written, text, allowed):
+    """Regressions: asked "Explain what a daemon is." the model searched, got the daemon entry and answered "Result
+    = what a daemon is"; "Result = A newbie." for "A Usenet neophyte"; "metasytactic" copying "metasyntactic".
+    After the whole entry anything may follow (a number too: no number rule)."""
+    from app.answer_line import owed_allows
+
+    assert owed_allows(written, " daemon: A program that lies dormant", text, numeric=False) is allowed
+
+
+def test_the_entry_is_spelled_token_by_token_and_then_the_line_is_free(tokenizer):
+    """Greedy over flat logits: the mask alone spells the entry (the model picks how it is cut), then lets go."""
+    from app.answer_grammar import AnswerGrammar
+    from app.answer_line import AnswerLine
+
+    grammar, entry = AnswerGrammar(tokenizer), "daemon: A program that is not invoked explicitly (it waits)"
+    line = AnswerLine(after_tool=True, entry=entry)
+    for piece in ["\n", "Result", " ="]:
+        line.push(piece)
+    written = ""
+    while line.owed_due is not None and len(written) < 200:
+        kept = (grammar.mask(torch.zeros(len(tokenizer)), line) > float("-inf")).nonzero().flatten().tolist()
+        token = max(kept, key=lambda i: len(tokenizer.decode([i])))  # the longest piece it allows
+        written += tokenizer.decode([token])
+        line.push(tokenizer.decode([token]))
+    assert written.startswith(" " + entry)
+    assert grammar.allowed(line) is None and line.owed_due is None
+
+
 def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_llama, tokenizer):
     """Regression (review): the answer line read an accepted draft as its own text, U+FFFD for the first byte of
     "✓", while a token chosen alone feeds it the segment's delta ("" until the character is whole): with the same
@@ -695,12 +749,12 @@ def test_the_calculators_number_is_kept_by_a_few_allowed_ids_not_a_ban_of_the_vo
     for piece in ["\n", "Result", " =", " -", "2", "4", "<"]:
         banned, allowed = grammar.banned(line), grammar.allowed(line)
         assert banned is None or len(banned) < 1000 or line.head is not None  # (the line after a tool: opening)
-        assert (allowed is not None) == (line.number_due in ("", " -", " -2"))  # not yet whole
+        assert (allowed is not None) == (line.owed_due in ("", " -", " -2"))  # not yet whole
         assert allowed is None or len(allowed) < 10
         logits = grammar.mask(torch.zeros(len(tokenizer)), line)
         if allowed is not None:
             kept = [tokenizer.decode([i]) for i in (logits > float("-inf")).nonzero().flatten()]
-            assert kept and all(number_allows(line.number_due, " -24", text) for text in kept), kept
+            assert kept and all(number_allows(line.owed_due, " -24", text) for text in kept), kept
         line.push(piece)
 
 
@@ -721,9 +775,9 @@ def test_the_number_rules_states_are_shared_and_allow_what_number_allows_says(to
         for piece in ["\n", "Result", " ="]:
             line.push(piece)
         allowed = set(grammar.allowed(line).tolist())  # nothing of the number written yet
-        rest = due[len(line.number_due):]
+        rest = due[len(line.owed_due):]
         part = {i for i, text in enumerate(texts) if text and rest.startswith(text) and text != rest}
-        whole = {i for i, text in enumerate(texts) if text.startswith(rest) and number_allows(line.number_due, due, text)}
+        whole = {i for i, text in enumerate(texts) if text.startswith(rest) and number_allows(line.owed_due, due, text)}
         assert allowed == part | whole
         for after in ["", "."]:
             line = AnswerLine(after_tool=True, number=number)
@@ -732,5 +786,5 @@ def test_the_number_rules_states_are_shared_and_allow_what_number_allows_says(to
             kept = grammar.mask(torch.zeros(len(texts)), line) > float("-inf")
             for i, text in enumerate(texts):
                 if text.lstrip()[:1] in "0123456789.,-+eE" and not breaks_the_line(text):
-                    assert bool(kept[i]) == number_allows(line.number_due, due, text), (number, after, text)
+                    assert bool(kept[i]) == number_allows(line.owed_due, due, text), (number, after, text)
     assert sorted(key[1] for key in grammar._banned if key[0] == "number") == ["", "."]

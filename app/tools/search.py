@@ -49,6 +49,7 @@ CLOSEST = 0.7  # difflib ratio for "did you mean": skewernet -> sneakernet 0.74;
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
+NO_RESULTS = "no results for"  # the output where nothing matched: `no results for "query"`
 _NUMBER_ALONE = re.compile(r"[-+]?[\d.,]+")  # a look-up even where the Calculator reads it: "404"
 
 
@@ -365,5 +366,5 @@ def search_tool(query: str) -> str:
         raise ToolError(f'no words to search for in "{shown}"')
     hits = get_backend().search(query, TOOL_RESULTS)
     if not hits:
-        return f'no results for "{shown}"'
+        return f'{NO_RESULTS} "{shown}"'
     return format_hits(hits)
