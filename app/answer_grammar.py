@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 # also a sum Search passed on to it, see app.tools.registry.Misrouted), at the end of the ids
 _CALCULATED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
                          + re.escape(RESPONSE) + r"\Z")
-# A Search call (the Jargon File's tool, app.tools.registry) and its output, one entry (`term: definition`, one
-# line, no tag; not an error, not "no results"), at the end of the ids
-_LOOKED_UP = re.compile(re.escape(REQUEST) + r"<Search>[^<]*" + re.escape(CALL)
-                        + r"(?!error: |" + re.escape(NO_RESULTS) + r")([^<\n]+?: [^<\n]+)" + re.escape(RESPONSE) + r"\Z")
+# A Search call (the Jargon File's tool, app.tools.registry) and its output, entries (`term: definition`, a line
+# each, no tag; not an error, not "no results"), at the end of the ids: the first entry (the best) is group 1
+_LOOKED_UP = re.compile(re.escape(REQUEST) + r"<Search>[^<]*" + re.escape(CALL) + r"(?!error: |"
+                        + re.escape(NO_RESULTS) + r")([^<\n]+?: [^<\n]+)(?:\n[^<]*)?" + re.escape(RESPONSE) + r"\Z")
 _NUMBER_START = frozenset("0123456789-+.")
 
 
@@ -62,8 +62,9 @@ class AnswerGrammar:
         return found[1] if found else None
 
     def looked_up(self, ids: list[int]) -> str | None:
-        """The one entry a tool's output gave when these ids end with its call and that output (the answer's
-        opening); None after several entries, an error, or an output too long to be within the last 200 ids."""
+        """The entry a look-up's answer opens with when these ids end with a Search call and its output: the first
+        (the best; app.tools.search.first_entry, which the prompt's examples copy); None after an error, "no
+        results", or an output too long to be within the last 200 ids."""
         found = _LOOKED_UP.search("".join(self._texts[i] for i in ids[-200:]))
         return found[1] if found else None
 

@@ -29,11 +29,13 @@ the model dropped the sign of a negative result ("5 - 29": the tool said -24, th
 3 negative results), once wrote 100 for "4,096 / 64" where the tool said 64, and where only a number it began was
 held to the output, wrote "Result = (-150)" or "Result =  –15" (an en dash). Words after the number stay free.
 
-After a look-up that found one entry (a tool's output of one line, `term: definition`), the answer line begins with
-that entry, whole, as the prompt asks ("A look-up's answer is the definition the tool returned") and every example
+After a look-up (Search's entries, a `term: definition` line each), the answer line begins with the first entry,
+the best, whole, as the prompt asks ("A look-up's answer is the definition the tool returned") and every example
 answers: with the entry in front of it, the model wrote "Result = what a daemon is" (asked "Explain what a daemon
-is."), "Result = A newbie." for "A Usenet neophyte", "metasytactic" for "metasyntactic". What it writes after the
-entry stays free. Several entries (no headword named) leave the choice to the model.
+is."), "Result = A newbie." for "A Usenet neophyte", "metasytactic" for "metasyntactic", and from three entries
+none of which was kernel's, "Result = kernel: A fictional society that Linux bigots claim Linux users belong to"
+(the first: "kernel-of-the-week club: The fictional society that BSD bigots claim ..."). What it writes after the
+entry stays free.
 
 Where a tool claims the question (`Tool.claims`: a sum written in symbols is the Calculator's), the reply's
 tokens spell that call first, `<request><Calculator>2 + 2 * 3<call>`, each one a token whose text goes on with it

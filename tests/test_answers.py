@@ -79,17 +79,18 @@ def test_a_question_about_a_headword_answers_from_its_entry(engine, question, en
     assert episode.answer.lower().startswith("result = " + entry.lower())
 
 
-@pytest.mark.parametrize("question, query", [("Explain what a daemon is.", "what a daemon is"),
-                                             ("What is a newbie?", "newbie"), ("What does foobar mean?", "foobar")])
-def test_a_look_up_that_found_one_entry_answers_with_that_entry(engine, question, query):
+@pytest.mark.parametrize("question, query", [("Explain what a daemon is.", "daemon"), ("What is a newbie?", "newbie"),
+                                             ("What does foobar mean?", "foobar"), ("What is a kernel?", "kernel")])
+def test_a_look_up_answers_with_the_best_entry_it_found(engine, question, query):
     """Regressions: the model searched and got the entry, then answered "Result = what a daemon is", "Result = A
-    newbie." (the entry: "A Usenet neophyte") and copied "metasyntactic" as "metasytactic" (foobar)."""
+    newbie." (the entry: "A Usenet neophyte") and copied "metasyntactic" as "metasytactic" (foobar); from three
+    entries none of which is kernel's it made one up ("kernel: A fictional society that Linux bigots ...")."""
     answers = [engine.ask(engine.new_session(), question, dataclasses.replace(PAGE, use_cache=cached))
                for cached in (True, False)]
     for episode in answers:
         assert episode.segments[0].text == f"<request><Search>{query}<call>"
         [tool] = [s for s in episode.segments if s.kind == "tool"]
-        entry = tool.text.removesuffix(RESPONSE)
-        assert "\n" not in entry and tool.tool == "Search"
+        entry = tool.text.removesuffix(RESPONSE).split("\n")[0]  # (the first of several: the best)
+        assert tool.tool == "Search"
         assert episode.answer.startswith(f"Result = {entry}"), (episode.answer, entry)
     assert answers[0].token_ids == answers[1].token_ids  # cache on and off: the same tokens

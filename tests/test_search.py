@@ -225,6 +225,10 @@ def test_an_abbreviation_is_defined_by_what_it_stands_for(word, definition) -> N
     ("Explain the term semi.", "semi"), ("Define clocks.", "clocks"), ("What does grok mean?", "grok"),
     ("What is the meaning of kludge?", "kludge"), ("meaning of cruft", "cruft"), ("What are bogons?", "bogons"),
     ("What is 404?", "404"),  # (a headword)
+    # regressions (demo questions): "What does TLA stand for?" looped in its query ("t-l-a-l-a-r-a-l-a-r..."),
+    # "Explain what a daemon is." searched "what a daemon is"
+    ("What does TLA stand for?", "TLA"), ("What do FUD and RTFM stand for?", None), ("Explain what a daemon is.", "daemon"),
+    ("Explain what bogons are.", "bogons"), ("What does AFAIK stand for?", "AFAIK"),
     ("What is your name?", None), ("What's up?", None), ("Tell me about yourself.", None),  # greetings
     ("What is love?", None),  # no such headword: the model's (it may still search)
     ("What is 2 + 2?", None), ("What is a cookie in hacker slang?", None),  # more than a term

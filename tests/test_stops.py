@@ -645,7 +645,8 @@ def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenize
     ("<request><Search>grok<call>grok: To understand<response>", "grok: To understand"),
     ("<request><Search>kludge<call>kludge (see kluge): A Rube Goldberg device<response>",
      "kludge (see kluge): A Rube Goldberg device"),
-    ("<request><Search>joke<call>IYFEG: Insert Your Favorite Ethnic Group\nneat hack: A clever technique<response>", None),
+    ("<request><Search>kernel<call>userland: Anywhere outside the kernel\nneat hack: A clever technique<response>",
+     "userland: Anywhere outside the kernel"),  # (several entries: the first, the best)
     ("<request><Calculator>x<call>error: name 'x' is not allowed<response>", None),
     ('<request><Search>xyzzyqq<call>no results for "xyzzyqq"<response>', None),
     ('<request><Search>a: b<call>no results for "a: b"<response>', None),

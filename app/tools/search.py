@@ -322,10 +322,12 @@ def is_arithmetic(query: str) -> bool:
 
 
 # A question that asks what one term means, and nothing else ("Define toaster.", "What is a magic cookie?", "What
-# does grok mean?", "Explain the term semi."); "what's" is left out: "What's up?" is a greeting, and up a headword
+# does grok mean?", "Explain the term semi.", "What does TLA stand for?", "Explain what a daemon is."); "what's" is
+# left out: "What's up?" is a greeting, and up a headword
 _ASKS_A_TERM = re.compile(
-    r"\s*(?:define|explain(?: the (?:term|word))?|what (?:is|are)(?: the meaning of)?|(?:the )?meaning of"
-    r"|what does|what do)\s+(?:(?:an?|the)\s+)?(?P<term>[\w][\w' -]{0,39}?)(?:\s+mean)?\s*[.?!]*\s*", re.IGNORECASE)
+    r"\s*(?:define|explain(?: the (?:term|word)| what)?|what (?:is|are)(?: the meaning of)?|(?:the )?meaning of"
+    r"|what does|what do)\s+(?:(?:an?|the)\s+)?(?P<term>[\w][\w' -]{0,39}?)(?:\s+(?:mean|stands? for|is|are))?"
+    r"\s*[.?!]*\s*", re.IGNORECASE)
 
 
 # Words a chat asks about that are also headwords ("What is up?", "What is life?", "Define me." would get the
