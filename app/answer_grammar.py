@@ -27,6 +27,9 @@ _CALCULATED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CA
 # each, no tag; not an error, not "no results"), at the end of the ids: the first entry (the best) is group 1
 _LOOKED_UP = re.compile(re.escape(REQUEST) + r"<Search>[^<]*" + re.escape(CALL) + r"(?!error: |"
                         + re.escape(NO_RESULTS) + r")([^<\n]+?: [^<\n]+)(?:\n[^<]*)?" + re.escape(RESPONSE) + r"\Z")
+# Any tool's call and its error (app.tools.registry.run_tool: `error: ...`, one line), at the end of the ids
+_FAILED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(error: [^<\n]+)"
+                     + re.escape(RESPONSE) + r"\Z")
 _NUMBER_START = frozenset("0123456789-+.")
 
 
@@ -61,11 +64,12 @@ class AnswerGrammar:
         found = _CALCULATED.search("".join(self._texts[i] for i in ids[-64:]))
         return found[1] if found else None
 
-    def looked_up(self, ids: list[int]) -> str | None:
-        """The entry a look-up's answer opens with when these ids end with a Search call and its output: the first
-        (the best; app.tools.search.first_entry, which the prompt's examples copy); None after an error, "no
-        results", or an output too long to be within the last 200 ids."""
-        found = _LOOKED_UP.search("".join(self._texts[i] for i in ids[-200:]))
+    def quoted(self, ids: list[int]) -> str | None:
+        """The line of a tool's output an answer opens with, when these ids end with a call and that output: a
+        look-up's first entry (the best; app.tools.search.first_entry, which the prompt's examples copy), or a
+        tool's error. None after "no results", a number (calculated), or an output not within the last 200 ids."""
+        text = "".join(self._texts[i] for i in ids[-200:])
+        found = _LOOKED_UP.search(text) or _FAILED.search(text)
         return found[1] if found else None
 
     def follows_a_question(self, ids: list[int]) -> bool:
@@ -113,7 +117,7 @@ class AnswerGrammar:
         return self._banned[key]
 
     def allowed(self, line: AnswerLine) -> torch.Tensor | None:
-        """Until the answer line has written the tool's output it owes (the Calculator's number, a look-up's entry)
+        """Until the answer line has written the tool's output it owes (the Calculator's number, a look-up's entry, an error)
         whole, the only tokens it may take (those that go on with it, or end it): a few ids, so a row's mask keeps
         them rather than banning the whole vocabulary (which cost 20 chats at once ~1 s a turn). None where no
         token goes on with it (a character no token's text holds): the model's choice then, not no token at all."""
@@ -155,7 +159,7 @@ class AnswerGrammar:
         return [i for _, i in itertools.takewhile(lambda item: item[0].startswith(prefix), self._sorted[first:])]
 
     def _forget_numbers(self) -> None:
-        """Bound the cache: each tool result adds a few states (a number a few, an entry one a token it spells)."""
+        """Bound the cache: each tool result adds a few states (a number a few, a quoted line one a token it spells)."""
         if len(self._banned) > 2048:
             for old in [k for k in self._banned if k[0] in ("number", "allowed", "opening")]:
                 del self._banned[old]

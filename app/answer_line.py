@@ -34,8 +34,11 @@ the best, whole, as the prompt asks ("A look-up's answer is the definition the t
 answers: with the entry in front of it, the model wrote "Result = what a daemon is" (asked "Explain what a daemon
 is."), "Result = A newbie." for "A Usenet neophyte", "metasytactic" for "metasyntactic", and from three entries
 none of which was kernel's, "Result = kernel: A fictional society that Linux bigots claim Linux users belong to"
-(the first: "kernel-of-the-week club: The fictional society that BSD bigots claim ..."). What it writes after the
-entry stays free.
+(the first: "kernel-of-the-week club: The fictional society that BSD bigots claim ..."). After a tool's error the
+answer line, where the model opens it (rather than another call), begins with that error: asked "What is 10 /
+0?", the Calculator said "error: division by zero" and the model answered "Result = 10"; asked "How many seconds
+are in a day?", its call failed to parse and it answered "Result = 1 day * 86400 = 1080000000 seconds". What the
+model writes after the quoted line stays free.
 
 Where a tool claims the question (`Tool.claims`: a sum written in symbols is the Calculator's), the reply's
 tokens spell that call first, `<request><Calculator>2 + 2 * 3<call>`, each one a token whose text goes on with it
@@ -131,10 +134,10 @@ class AnswerLine:
     line or a tool's `<response>`)."""
 
     def __init__(self, prefix: str = ANSWER_PREFIX, after_tool: bool = False, number: str | None = None,
-                 after_question: bool = False, opening: str | None = None, entry: str | None = None):
+                 after_question: bool = False, opening: str | None = None, quote: str | None = None):
         self._prefix = prefix
         self._opening_due, self._begun = opening or None, ""  # the text the segment must spell first, and so far
-        owed = number if number is not None else entry  # a tool's output the answer line begins with
+        owed = number if number is not None else quote  # a tool's output the answer line begins with
         self._owed = None if owed is None else " " + owed  # (as the answer writes it)
         self._numeric = number is not None  # (then no more of the number after it)
         self._line = ""  # the current line, while the owed output may still be due on it
@@ -183,8 +186,8 @@ class AnswerLine:
 
     @property
     def owed(self) -> str | None:
-        """The tool's output the answer line must begin with (" " + it), if any: the Calculator's number, or the
-        one entry a look-up found."""
+        """The tool's output the answer line must begin with (" " + it), if any: the Calculator's number, a
+        look-up's best entry, or a tool's error."""
         return self._owed
 
     @property

@@ -123,7 +123,7 @@ class SegmentSteps:
         self.stops, self.detok = backend.stops.start(), Detokenizer(backend.tokenizer)
         grammar = backend.loaded.answer_grammar
         self.line = AnswerLine(after_tool=grammar.follows_a_tool(cache.ids), number=grammar.calculated(cache.ids),
-                               entry=grammar.looked_up(cache.ids), after_question=grammar.follows_a_question(cache.ids),
+                               quote=grammar.quoted(cache.ids), after_question=grammar.follows_a_question(cache.ids),
                                opening=run.opening)
         greedy_drafts = settings.draft_tokens and settings.temperature <= 0
         self.lookup = PromptLookup(cache.ids) if greedy_drafts else None

@@ -94,3 +94,16 @@ def test_a_look_up_answers_with_the_best_entry_it_found(engine, question, query)
         assert tool.tool == "Search"
         assert episode.answer.startswith(f"Result = {entry}"), (episode.answer, entry)
     assert answers[0].token_ids == answers[1].token_ids  # cache on and off: the same tokens
+
+
+@pytest.mark.parametrize("question, error", [
+    ("What is 10 / 0?", "error: division by zero"),  # regressions: "Result = 10", "Result = 5.0" ...
+    ("What is 5 / 0?", "error: division by zero"),
+    ("What is the square root of -9?", "error: sqrt of a negative number is not a real number"),  # ... "sqrt(-9): 9"
+    ("What is log(0)?", "error: log is only defined for positive numbers"),  # ... "A function that returns 1."
+])
+def test_a_tools_error_is_the_answer_not_an_invented_result(engine, question, error):
+    episode = engine.ask(engine.new_session(), question, PAGE)
+    [tool] = [s for s in episode.segments if s.kind == "tool"]
+    assert "Calculator" in (tool.tool, tool.ran) and not tool.ok and tool.text == error + RESPONSE  # (log(0): Search
+    assert episode.answer == f"Result = {error}"  # passes it on)

@@ -647,20 +647,22 @@ def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenize
      "kludge (see kluge): A Rube Goldberg device"),
     ("<request><Search>kernel<call>userland: Anywhere outside the kernel\nneat hack: A clever technique<response>",
      "userland: Anywhere outside the kernel"),  # (several entries: the first, the best)
-    ("<request><Calculator>x<call>error: name 'x' is not allowed<response>", None),
+    ("<request><Calculator>x<call>error: name 'x' is not allowed<response>", "error: name 'x' is not allowed"),
+    ("<request><Calculator>10 / 0<call>error: division by zero<response>", "error: division by zero"),  # (any tool's)
     ('<request><Search>xyzzyqq<call>no results for "xyzzyqq"<response>', None),
     ('<request><Search>a: b<call>no results for "a: b"<response>', None),
     ("<request><Nope>x<call>unknown tool Nope (available: Calculator, Search)<response>", None),  # (only Search's)
-    ("<request><Search>x<call>error: index: gone<response>", None),
+    ("<request><Search>x<call>error: index: gone<response>", "error: index: gone"),
+    ("<request><Calculator>x<call>error: a\nb<response>", None),
     ("<request><Calculator>1+1<call>2<response>", None),
     ("<request><Search>grok<call>grok: To understand<response>\nResult = grok: To understand", None),
     ("<request><Search>x<call>x: " + "word " * 300 + "<response>", None),  # (not within the last 200 ids)
 ])
-def test_the_grammar_finds_a_look_ups_one_entry_at_the_end_of_the_ids(tokenizer, tail, entry):
+def test_the_grammar_finds_the_line_an_answer_quotes_at_the_end_of_the_ids(tokenizer, tail, entry):
     from app.answer_grammar import AnswerGrammar
 
     ids = tokenizer("Q: What is it?\n" + tail, add_special_tokens=False)["input_ids"]
-    assert AnswerGrammar(tokenizer).looked_up(ids) == entry
+    assert AnswerGrammar(tokenizer).quoted(ids) == entry
 
 
 @pytest.mark.parametrize("written, text, allowed", [
@@ -683,7 +685,7 @@ def test_the_entry_is_spelled_token_by_token_and_then_the_line_is_free(tokenizer
     from app.answer_line import AnswerLine
 
     grammar, entry = AnswerGrammar(tokenizer), "daemon: A program that is not invoked explicitly (it waits)"
-    line = AnswerLine(after_tool=True, entry=entry)
+    line = AnswerLine(after_tool=True, quote=entry)
     for piece in ["\n", "Result", " ="]:
         line.push(piece)
     written = ""
