@@ -12,7 +12,16 @@ import itertools
 import re
 from typing import TYPE_CHECKING
 
-from app.answer_line import AnswerLine, asks_next, breaks_the_line, number_allows, opens_well, owed_allows, spells_submit
+from app.answer_line import (
+    AnswerLine,
+    asks_next,
+    breaks_the_line,
+    number_allows,
+    opens_well,
+    owed_allows,
+    spells_submit,
+    writes_it_twice,
+)
 from app.protocol import CALL, QUESTION_PREFIX, REQUEST, RESPONSE, SUBMIT
 from app.tools.search import NO_RESULTS
 
@@ -179,6 +188,8 @@ class AnswerGrammar:
         if (rest := line.opening_due) is not None:  # a claimed call: its tokens only (no other rule applies)
             spelling = self._spelling(rest)
             return logits if spelling is None else _keep(logits, spelling)
+        if (call := line.call_input) is not None:
+            return self._in_call(logits, call)
         banned = self.banned(line)
         if banned is None:
             return logits
@@ -193,6 +204,19 @@ class AnswerGrammar:
             out[self._lt] = ending
         out[banned] = float("-inf")
         return out if allowed is None else _keep(out, allowed)  # (after the bans: allowed and banned stays banned)
+
+
+    def _in_call(self, logits: torch.Tensor, call: str) -> torch.Tensor:
+        """A call's input: one line, whose newline's probability goes to the `<` that ends it; once the input
+        writes a span twice (writes_it_twice), the tokens of `<call>` only."""
+        if writes_it_twice(call):
+            return _keep(logits, self._spelling(CALL))
+        import torch
+
+        out = logits.clone()
+        out[self._lt] = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
+        out[self._ban(("call",), lambda text: "\n" in text)] = float("-inf")
+        return out
 
 
 def _keep(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

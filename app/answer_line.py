@@ -29,6 +29,13 @@ the model dropped the sign of a negative result ("5 - 29": the tool said -24, th
 3 negative results), once wrote 100 for "4,096 / 64" where the tool said 64, and where only a number it began was
 held to the output, wrote "Result = (-150)" or "Result =  –15" (an en dash). Words after the number stay free.
 
+A call's input is one line, and where the model would end that line or write it over again, the call ends as the
+format ends it, with `<call>`: a newline's probability there goes to the `<` (the model asked "Tell me a joke."
+wrote `<request><Search>laughs at a joke.` and then the same line again and again, "What is the Jargon File?"
+`<request><Search>jargon_file_jargon_file_jargon_file_`, until the repetition stop ended the turn with that as its
+answer, which the chat's next question then copied); once the input ends with a span of 6 or more characters
+with a letter written twice in a row, the next tokens spell `<call>`.
+
 After a look-up (Search's entries, a `term: definition` line each), the answer line begins with the first entry,
 the best, whole, as the prompt asks ("A look-up's answer is the definition the tool returned") and every example
 answers: with the entry in front of it, the model wrote "Result = what a daemon is" (asked "Explain what a daemon
@@ -56,6 +63,7 @@ from app.protocol import ANSWER_PREFIX, NEXT_QUESTION, REQUEST, SUBMIT
 
 _TAG = re.compile(r"<([A-Za-z]*)")
 _OPEN_TAG = re.compile(r"<([A-Za-z]*)$")
+_CALLING = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>([^<\n]*)\Z")  # a call being written: its input so far
 _GLUED = re.compile(r"\S<[A-Za-z]*$")  # a `<` right after the answer's text: it ends the line (not "3 < 5")
 _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
 # What, right after a number, goes on with it: a digit; a point or comma and a digit; an exponent
@@ -82,6 +90,20 @@ def owed_allows(written: str, owed: str, text: str, numeric: bool) -> bool:
     if owed.startswith(after):
         return True
     return after.startswith(owed) and not (numeric and _goes_on_a_number(after[len(owed):]))
+
+
+MAX_CALL_LINE = 512  # a longer line is no call these rules follow (Search reads 500 characters of a query)
+MIN_REPEAT = 6  # characters of a span that, written twice in a row in a call's input, end the call
+
+
+def writes_it_twice(text: str) -> bool:
+    """Whether `text` ends with a span of MIN_REPEAT or more characters, with a letter, written twice in a row
+    ("jargon_file_jargon_file_"; not "1 + 1 + 1 + 1": no letter)."""
+    for size in range(MIN_REPEAT, len(text) // 2 + 1):
+        span = text[-size:]
+        if text[-2 * size:-size] == span and any(char.isalpha() for char in span):
+            return True
+    return False
 
 
 def breaks_the_line(text: str) -> bool:
@@ -144,6 +166,7 @@ class AnswerLine:
         self._opening = ""  # the line's first characters: whether it is the answer line
         self._end = ""  # its last characters: an open `<tag`
         self._brackets = 0  # round brackets the line has opened and not closed
+        self._text = ""  # the line's text, as long as it may still be a call (up to MAX_CALL_LINE characters)
         # after a tool's output: the segment's text until it opens the answer or a call (None: no such rule now)
         self._head: str | None = "" if after_tool else None
         # right after the question: the reply's text until it holds more than a newline (None: no such rule now)
@@ -217,11 +240,17 @@ class AnswerLine:
         found = _OPEN_TAG.search(self._end)
         return None if found is None else found[1]
 
+    @property
+    def call_input(self) -> str | None:
+        """While the line is a call being written (`<request><Tool>` and no `<` after it yet): its input so far."""
+        found = _CALLING.search(self._text) if self._text.startswith(REQUEST) else None
+        return None if found is None else found[1]
+
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
         other._opening, other._end, other._head, other._start = self._opening, self._end, self._head, self._start
         other._owed, other._numeric, other._line = self._owed, self._numeric, self._line
-        other._brackets = self._brackets
+        other._brackets, other._text = self._brackets, self._text
         other._opening_due, other._begun = self._opening_due, self._begun
         return other
 
@@ -237,11 +266,13 @@ class AnswerLine:
             if _past_one_newline(self._head).startswith(OPENINGS):
                 self._head = None  # opened: the answer line's own rules (or none, in a call) from here
         if "\n" in delta:
-            self._opening = self._end = self._line = ""
+            self._opening = self._end = self._line = self._text = ""
             self._brackets = 0
             delta = delta.rsplit("\n", 1)[-1]
         if self._owed is not None and len(self._line) < len(self._prefix) + len(self._owed) + 8:
             self._line += delta  # (only as long as the owed output's rule needs it)
+        if len(self._text) <= MAX_CALL_LINE:
+            self._text += delta
         for char in delta:  # (a `)` with none open closes nothing: "Result = :)")
             if char in "()":
                 self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)

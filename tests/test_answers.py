@@ -107,3 +107,15 @@ def test_a_tools_error_is_the_answer_not_an_invented_result(engine, question, er
     [tool] = [s for s in episode.segments if s.kind == "tool"]
     assert "Calculator" in (tool.tool, tool.ran) and not tool.ok and tool.text == error + RESPONSE  # (log(0): Search
     assert episode.answer == f"Result = {error}"  # passes it on)
+
+
+@pytest.mark.parametrize("question", ["Tell me a joke.", "What is the Jargon File?"])
+def test_a_call_the_model_would_loop_in_ends_and_the_turn_answers(engine, question):
+    """Regressions: the query looped ("laughs at a joke.\nLaughs at a joke.\n...", "jargon_file_jargon_file_...")
+    until the repetition stop, the unfinished call was the turn's answer, and the next question in the chat copied
+    it. Now the call ends, its tool runs, and the turn answers (what it answers is the model's and the index's)."""
+    episode = engine.ask(engine.new_session(), question, PAGE)
+    assert [s.kind for s in episode.segments] == ["model", "tool", "model"]
+    call = episode.segments[0]  # (ended by `<call>`, or by `<response>`, which the engine reads as one)
+    assert "\n" not in call.text and call.stop.string in ("<call>", RESPONSE)
+    assert episode.stop.string == SUBMIT and episode.answer.startswith("Result = ")

@@ -94,7 +94,9 @@ def test_a_request_closed_with_response_runs_the_tool_and_keeps_no_response_the_
     assert "<call>" not in tokenizer.decode(generated) and "<response>" not in tokenizer.decode(generated)
 
 
-@pytest.mark.parametrize("text", ["The sum is 5<response>", "<request><Calculator>2+3\nIt is 5<response>"])
+# (a request broken by a newline, "<request><Calculator>2+3\nIt is 5<response>", cannot be written in process any
+# more: a call's input is one line, test_a_calls_input_is_one_line_and_ends_where_it_would_end_or_repeat)
+@pytest.mark.parametrize("text", ["The sum is 5<response>", "The sum is 5\nIt is 5<response>"])
 def test_response_written_outside_a_request_ends_the_answer_and_is_not_kept(tiny_llama, tokenizer, text):
     _, session, episode = run(forced(tiny_llama, plan_text(tokenizer, (0, text + " more"))), max_new_tokens=40)
     (segment,) = episode.segments
@@ -696,6 +698,43 @@ def test_the_entry_is_spelled_token_by_token_and_then_the_line_is_free(tokenizer
         line.push(tokenizer.decode([token]))
     assert written.startswith(" " + entry)
     assert grammar.allowed(line) is None and line.owed_due is None
+
+
+@pytest.mark.parametrize("text, twice", [
+    ("jargon_file_jargon_file_", True), ("laughs at a joke. laughs at a joke. ", True), ("kludge", False),
+    ("1 + 1 + 1 + 1 + 1 + 1 + 1", False),  # (no letter: a sum's own repeats)
+    ("abcab", False), ("foo foo ", False),  # (under MIN_REPEAT characters)
+    ("magic cookie", False), ("x" * 12, True),
+])
+def test_a_calls_input_written_twice(text, twice):
+    from app.answer_line import writes_it_twice
+
+    assert writes_it_twice(text) is twice
+
+
+def test_a_calls_input_is_one_line_and_ends_where_it_would_end_or_repeat(tokenizer):
+    """Regressions: "Tell me a joke." wrote `<request><Search>laughs at a joke.` and the same line again until the
+    repetition stop; "What is the Jargon File?" `<request><Search>jargon_file_jargon_file_jargon_file_`: each turn
+    ended with the unfinished call as its answer, and the chat's next question copied it."""
+    from app.answer_grammar import AnswerGrammar
+    from app.answer_line import AnswerLine
+
+    grammar = AnswerGrammar(tokenizer)
+    newline, lt = encode(tokenizer, "\n")[0], encode(tokenizer, "<")[0]
+    line = AnswerLine(after_question=True)
+    for piece in ["<request>", "<Search>", "laughs at a joke."]:
+        line.push(piece)
+    assert line.call_input == "laughs at a joke."
+    logits = torch.zeros(len(tokenizer))
+    logits[newline] = 10.0
+    out = grammar.mask(logits, line)
+    assert out[newline] == float("-inf") and int(out.argmax()) == lt  # (the newline's probability went to `<`)
+    assert not [t for t in map(tokenizer.decode, (out > float("-inf")).nonzero().flatten().tolist()) if "\n" in t]
+    line.push(" jargon_file_jargon_file_")
+    kept = (grammar.mask(torch.zeros(len(tokenizer)), line) > float("-inf")).nonzero().flatten().tolist()
+    assert kept and all("<call>".startswith(tokenizer.decode([i])) for i in kept)
+    line.push("<call>")
+    assert line.call_input is None and grammar.mask(logits, line) is logits  # (the call is over: no rule)
 
 
 def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_llama, tokenizer):
