@@ -2,7 +2,8 @@
 
 This is a constraint on the next token, like a grammar in serving engines: deterministic, applied in the same
 way with the cache on or off and to verified drafts, so greedy output stays a pure function of the token ids.
-Each rule's token set is computed once per state and kept (a handful of states; a few more per tool result).
+Each rule's token set is computed once per state and kept (a handful of states; more per tool result: a quoted
+line one a token it spells, bounded by `_forget_tool_states`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from typing import TYPE_CHECKING
 
 from app.answer_line import (
+    CALL_ENDS,
     AnswerLine,
     asks_next,
     breaks_the_line,
@@ -40,6 +42,7 @@ _LOOKED_UP = re.compile(re.escape(REQUEST) + r"<Search>[^<]*" + re.escape(CALL) 
 _FAILED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(error: [^<\n]+)"
                      + re.escape(RESPONSE) + r"\Z")
 _NUMBER_START = frozenset("0123456789-+.")
+_SPLIT_CHAR = "\ufffd"  # a token's text where it holds a part of a character
 
 
 def _writes_a_number(text: str) -> bool:
@@ -61,7 +64,7 @@ class AnswerGrammar:
         self._exact: dict[str, list[int]] = {}  # text -> the ids whose text it is
         for i, text in enumerate(self._texts):
             self._exact.setdefault(text, []).append(i)
-        # (rule, its state) -> the ids it bans; a handful of states, each computed once
+        # (rule, its state) -> the ids it bans (or, for `allowed`, keeps), each computed once
         self._banned: dict[tuple, torch.Tensor | None] = {}
 
     def text(self, token: int) -> str:
@@ -79,7 +82,9 @@ class AnswerGrammar:
         tool's error. None after "no results", a number (calculated), or an output not within the last 200 ids."""
         text = "".join(self._texts[i] for i in ids[-200:])
         found = _LOOKED_UP.search(text) or _FAILED.search(text)
-        return found[1] if found else None
+        # a character split over tokens reads as U+FFFD in their texts, and as nothing until whole in the line's:
+        # the quote stops before it (a review: "½", "™", soft hyphens held the answer at the same byte)
+        return (found[1].split(_SPLIT_CHAR, 1)[0].rstrip() or None) if found else None
 
     def follows_a_question(self, ids: list[int]) -> bool:
         """Whether a segment that starts after these ids starts the reply to a question: they end with the
@@ -126,10 +131,10 @@ class AnswerGrammar:
         return self._banned[key]
 
     def allowed(self, line: AnswerLine) -> torch.Tensor | None:
-        """Until the answer line has written the tool's output it owes (the Calculator's number, a look-up's entry, an error)
-        whole, the only tokens it may take (those that go on with it, or end it): a few ids, so a row's mask keeps
-        them rather than banning the whole vocabulary (which cost 20 chats at once ~1 s a turn). None where no
-        token goes on with it (a character no token's text holds): the model's choice then, not no token at all."""
+        """Until the answer line has written the tool's output it owes (the Calculator's number, a look-up's entry,
+        an error) whole, the only tokens it may take (those that go on with it, or end it): a few ids, so a row's
+        mask keeps them rather than banning the whole vocabulary (which cost 20 chats at once ~1 s a turn). None
+        where no token goes on with it: the model's choice then, not no token at all."""
         written, owed = line.owed_due, line.owed
         if written is None or written.startswith(owed) or line.open_tag is not None:
             return None
@@ -137,7 +142,7 @@ class AnswerGrammar:
         if key not in self._banned:
             import torch
 
-            self._forget_numbers()
+            self._forget_tool_states()
             rest = owed[len(written):]
             # (the tokens that are a part of it exactly: looked up, not scanned; the first part is often " ", the
             # start of ~32,000 tokens' texts: 13 ms a new number, in the scheduler's thread)
@@ -153,7 +158,7 @@ class AnswerGrammar:
         if key not in self._banned:
             import torch
 
-            self._forget_numbers()
+            self._forget_tool_states()
             ids = sorted(self._parts(rest, len(rest)))
             self._banned[key] = torch.tensor(ids, dtype=torch.long) if ids else None
         return self._banned[key]
@@ -167,7 +172,7 @@ class AnswerGrammar:
         first = bisect.bisect_left(self._sorted, (prefix, -1))
         return [i for _, i in itertools.takewhile(lambda item: item[0].startswith(prefix), self._sorted[first:])]
 
-    def _forget_numbers(self) -> None:
+    def _forget_tool_states(self) -> None:
         """Bound the cache: each tool result adds a few states (a number a few, a quoted line one a token it spells)."""
         if len(self._banned) > 2048:
             for old in [k for k in self._banned if k[0] in ("number", "allowed", "opening")]:
@@ -188,8 +193,8 @@ class AnswerGrammar:
         if (rest := line.opening_due) is not None:  # a claimed call: its tokens only (no other rule applies)
             spelling = self._spelling(rest)
             return logits if spelling is None else _keep(logits, spelling)
-        if (call := line.call_input) is not None:
-            return self._in_call(logits, call)
+        if line.call_input is not None:
+            return self._in_call(logits, line)
         banned = self.banned(line)
         if banned is None:
             return logits
@@ -206,17 +211,36 @@ class AnswerGrammar:
         return out if allowed is None else _keep(out, allowed)  # (after the bans: allowed and banned stays banned)
 
 
-    def _in_call(self, logits: torch.Tensor, call: str) -> torch.Tensor:
-        """A call's input: one line, whose newline's probability goes to the `<` that ends it; once the input
-        writes a span twice (writes_it_twice), the tokens of `<call>` only."""
-        if writes_it_twice(call):
-            return _keep(logits, self._spelling(CALL))
+    def _in_call(self, logits: torch.Tensor, line: AnswerLine) -> torch.Tensor:
+        """A call's input: one line, whose newline's probability goes to the `<` that ends it, and where a `<` can
+        only begin a tag that ends it; once that tag is begun, or the input writes a span twice (writes_it_twice),
+        the tokens that go on spelling it only (or that complete it and go on: a stop ends inside a token)."""
+        closing = line.call_closing
+        if closing is not None or writes_it_twice(line.call_input):
+            key = ("call ends", closing or "")
+            if key not in self._banned:
+                import torch
+
+                rests = [end[len(closing or ""):] for end in (CALL_ENDS if closing else (CALL,))
+                         if end.startswith(closing or "")]
+                ids = {i for rest in rests for i in self._parts(rest, len(rest)) + self._starting(rest)}
+                self._banned[key] = torch.tensor(sorted(ids), dtype=torch.long) if ids else None
+            allowed = self._banned[key]
+            return logits if allowed is None else _keep(logits, allowed)
         import torch
 
         out = logits.clone()
         out[self._lt] = torch.logaddexp(out[self._lt], out[self._newlines].logsumexp(0))
-        out[self._ban(("call",), lambda text: "\n" in text)] = float("-inf")
+        out[self._ban(("call",), _leaves_a_call)] = float("-inf")
         return out
+
+
+def _leaves_a_call(text: str) -> bool:
+    """Whether a token, in a call's input, breaks its line or opens a tag other than one that ends the call."""
+    if "\n" in text:
+        return True
+    tag = text[text.index("<"):] if "<" in text else None
+    return tag is not None and not any(end.startswith(tag) or tag.startswith(end) for end in CALL_ENDS)
 
 
 def _keep(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,12 @@ the model dropped the sign of a negative result ("5 - 29": the tool said -24, th
 held to the output, wrote "Result = (-150)" or "Result =  –15" (an en dash). Words after the number stay free.
 
 A call's input is one line, and where the model would end that line or write it over again, the call ends as the
-format ends it, with `<call>`: a newline's probability there goes to the `<` (the model asked "Tell me a joke."
-wrote `<request><Search>laughs at a joke.` and then the same line again and again, "What is the Jargon File?"
-`<request><Search>jargon_file_jargon_file_jargon_file_`, until the repetition stop ended the turn with that as its
-answer, which the chat's next question then copied); once the input ends with a span of 6 or more characters
-with a letter written twice in a row, the next tokens spell `<call>`.
+format ends it, with `<call>`: a newline's probability there goes to the `<`, and a `<` there can only spell
+`<call>` (or `<response>`, which the engine reads as the `<call>` it means). Asked "Tell me a joke." the model wrote `<request><Search>laughs at a joke.` and then the same line again
+and again, asked "What is the Jargon File?" `<request><Search>jargon_file_jargon_file_jargon_file_`, until the
+repetition stop ended the turn with the unfinished call as its answer, which the chat's next question copied.
+Once the input ends with a span of MIN_REPEAT or more characters with a letter (and no digit or bracket: a sum's
+own repeats) written twice in a row, the next tokens spell `<call>`.
 
 After a look-up (Search's entries, a `term: definition` line each), the answer line begins with the first entry,
 the best, whole, as the prompt asks ("A look-up's answer is the definition the tool returned") and every example
@@ -59,11 +60,14 @@ from __future__ import annotations
 
 import re
 
-from app.protocol import ANSWER_PREFIX, NEXT_QUESTION, REQUEST, SUBMIT
+from app.protocol import ANSWER_PREFIX, CALL, NEXT_QUESTION, REQUEST, RESPONSE, SUBMIT
 
 _TAG = re.compile(r"<([A-Za-z]*)")
 _OPEN_TAG = re.compile(r"<([A-Za-z]*)$")
-_CALLING = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>([^<\n]*)\Z")  # a call being written: its input so far
+# a call being written: its input so far, and the open tag after it, if any
+_CALLING = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>([^<\n]*)(<[A-Za-z]*)?\Z")
+# the tags that end a call (app.engine reads a `<response>` written there as the `<call>` it means)
+CALL_ENDS = (CALL, RESPONSE)
 _GLUED = re.compile(r"\S<[A-Za-z]*$")  # a `<` right after the answer's text: it ends the line (not "3 < 5")
 _END = SUBMIT[1:-1]  # "submit": the one tag the answer line may hold
 # What, right after a number, goes on with it: a digit; a point or comma and a digit; an exponent
@@ -93,15 +97,19 @@ def owed_allows(written: str, owed: str, text: str, numeric: bool) -> bool:
 
 
 MAX_CALL_LINE = 512  # a longer line is no call these rules follow (Search reads 500 characters of a query)
-MIN_REPEAT = 6  # characters of a span that, written twice in a row in a call's input, end the call
+MIN_REPEAT = 8  # characters of a span that, written twice in a row in a call's input, end the call
+
+
+_SUM_MARKS = frozenset("0123456789()")
 
 
 def writes_it_twice(text: str) -> bool:
-    """Whether `text` ends with a span of MIN_REPEAT or more characters, with a letter, written twice in a row
-    ("jargon_file_jargon_file_"; not "1 + 1 + 1 + 1": no letter)."""
+    """Whether `text` ends with a span of MIN_REPEAT or more characters, with a letter and no digit or bracket,
+    written twice in a row ("jargon_file_jargon_file_"; not "1 + 1 + 1 + 1", "sqrt(2) * sqrt(2) * sqrt": a sum's
+    own repeats, which a review found cut short)."""
     for size in range(MIN_REPEAT, len(text) // 2 + 1):
         span = text[-size:]
-        if text[-2 * size:-size] == span and any(char.isalpha() for char in span):
+        if text[-2 * size:-size] == span and any(c.isalpha() for c in span) and not _SUM_MARKS.intersection(span):
             return True
     return False
 
@@ -166,7 +174,7 @@ class AnswerLine:
         self._opening = ""  # the line's first characters: whether it is the answer line
         self._end = ""  # its last characters: an open `<tag`
         self._brackets = 0  # round brackets the line has opened and not closed
-        self._text = ""  # the line's text, as long as it may still be a call (up to MAX_CALL_LINE characters)
+        self._text: str | None = ""  # the line's text while it may be a call (None past MAX_CALL_LINE characters)
         # after a tool's output: the segment's text until it opens the answer or a call (None: no such rule now)
         self._head: str | None = "" if after_tool else None
         # right after the question: the reply's text until it holds more than a newline (None: no such rule now)
@@ -242,9 +250,23 @@ class AnswerLine:
 
     @property
     def call_input(self) -> str | None:
-        """While the line is a call being written (`<request><Tool>` and no `<` after it yet): its input so far."""
-        found = _CALLING.search(self._text) if self._text.startswith(REQUEST) else None
+        """While the line is a call being written (`<request><Tool>`, and after it no `<` but the start of a tag
+        that ends it): its input so far."""
+        found = self._calling()
         return None if found is None else found[1]
+
+    @property
+    def call_closing(self) -> str | None:
+        """The start of the tag that ends the call ("<", "<ca", "<resp") the call's line ends with, else None."""
+        found = self._calling()
+        return None if found is None else found[2]
+
+    def _calling(self) -> re.Match | None:
+        text = self._text
+        found = _CALLING.search(text) if text is not None and text.startswith(REQUEST) else None
+        if found is None or (found[2] is not None and not any(end.startswith(found[2]) for end in CALL_ENDS)):
+            return None
+        return found
 
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
@@ -271,8 +293,8 @@ class AnswerLine:
             delta = delta.rsplit("\n", 1)[-1]
         if self._owed is not None and len(self._line) < len(self._prefix) + len(self._owed) + 8:
             self._line += delta  # (only as long as the owed output's rule needs it)
-        if len(self._text) <= MAX_CALL_LINE:
-            self._text += delta
+        if self._text is not None:
+            self._text = self._text + delta if len(self._text) + len(delta) <= MAX_CALL_LINE else None
         for char in delta:  # (a `)` with none open closes nothing: "Result = :)")
             if char in "()":
                 self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)

@@ -93,7 +93,7 @@ class LocalBackend:
     def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
                 line: AnswerLine, detok: Detokenizer) -> list[int]:
         """The new tokens: the drafts the model agrees with, then the model's own next token, each chosen from the
-        logits as the answer line's grammar masks them (app.answer_line), so drafts never change what is chosen.
+        logits as the answer line's grammar masks them (app.answer_grammar), so drafts never change what is chosen.
         The line reads each accepted draft as the segment's text will (`detok`'s deltas: "" while a character is
         incomplete): read as the token's own text (U+FFFD for a lone UTF-8 byte), a token verified as a draft
         could differ from the one chosen alone, and drafts come and go with the number of chats running."""

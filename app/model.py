@@ -62,7 +62,7 @@ class LoadedModel:
 
     @functools.cached_property
     def answer_grammar(self) -> AnswerGrammar:
-        """The tokens banned on the answer line (app.answer_line), built once per model."""
+        """The tokens each answer-line state allows (app.answer_grammar), built once per model."""
         with self.lock:  # the tokenizer
             return AnswerGrammar(self.tokenizer)
 

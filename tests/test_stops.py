@@ -656,6 +656,10 @@ def test_the_grammar_finds_the_calculators_number_at_the_end_of_the_ids(tokenize
     ("<request><Nope>x<call>unknown tool Nope (available: Calculator, Search)<response>", None),  # (only Search's)
     ("<request><Search>x<call>error: index: gone<response>", "error: index: gone"),
     ("<request><Calculator>x<call>error: a\nb<response>", None),
+    # (a character split over tokens reads as U+FFFD in their texts: the quote stops before it; review)
+    ("<request><Calculator>½ + ½<call>error: could not parse '½ + ½' as arithmetic<response>",
+     "error: could not parse '½ +"),  # (its second ½ is two tokens here)
+    ("<request><Search>TM<call>(TM): Used to indicate ™ appended<response>", "(TM): Used to indicate"),
     ("<request><Calculator>1+1<call>2<response>", None),
     ("<request><Search>grok<call>grok: To understand<response>\nResult = grok: To understand", None),
     ("<request><Search>x<call>x: " + "word " * 300 + "<response>", None),  # (not within the last 200 ids)
@@ -702,14 +706,21 @@ def test_the_entry_is_spelled_token_by_token_and_then_the_line_is_free(tokenizer
 
 @pytest.mark.parametrize("text, twice", [
     ("jargon_file_jargon_file_", True), ("laughs at a joke. laughs at a joke. ", True), ("kludge", False),
-    ("1 + 1 + 1 + 1 + 1 + 1 + 1", False),  # (no letter: a sum's own repeats)
-    ("abcab", False), ("foo foo ", False),  # (under MIN_REPEAT characters)
-    ("magic cookie", False), ("x" * 12, True),
+    ("1 + 1 + 1 + 1 + 1 + 1 + 1", False),  # (no letter: a sum's own repeats) ...
+    ("sqrt(2) * sqrt(2) * sqrt", False), ("10 km + 10 km + ", False),  # (... a review found these cut short)
+    ("abcab", False), ("foo foo ", False), ("knock knock ", False),  # (under MIN_REPEAT characters)
+    ("magic cookie", False), ("x" * 15, False), ("x" * 16, True),
 ])
 def test_a_calls_input_written_twice(text, twice):
     from app.answer_line import writes_it_twice
 
     assert writes_it_twice(text) is twice
+
+
+def _kept(grammar, line, vocabulary: int) -> list[str]:
+    """The texts of the tokens the grammar's mask keeps after `line`, over flat logits."""
+    out = grammar.mask(torch.zeros(vocabulary), line)
+    return [grammar.text(i) for i in (out > float("-inf")).nonzero().flatten().tolist()]
 
 
 def test_a_calls_input_is_one_line_and_ends_where_it_would_end_or_repeat(tokenizer):
@@ -730,11 +741,32 @@ def test_a_calls_input_is_one_line_and_ends_where_it_would_end_or_repeat(tokeniz
     out = grammar.mask(logits, line)
     assert out[newline] == float("-inf") and int(out.argmax()) == lt  # (the newline's probability went to `<`)
     assert not [t for t in map(tokenizer.decode, (out > float("-inf")).nonzero().flatten().tolist()) if "\n" in t]
+    submit = encode(tokenizer, "<submit>")  # (a `<` in the input only begins `<call>`, or `<response>`)
+    assert [tokenizer.decode([i]) for i in submit][:2] == ["<", "submit"]
     line.push(" jargon_file_jargon_file_")
     kept = (grammar.mask(torch.zeros(len(tokenizer)), line) > float("-inf")).nonzero().flatten().tolist()
     assert kept and all("<call>".startswith(tokenizer.decode([i])) for i in kept)
-    line.push("<call>")
+    line.push("<")  # (`<call>` is three tokens: each part on its own goes on spelling a tag that ends the call; review)
+    kept = set(_kept(grammar, line, len(tokenizer)))
+    assert "call" in kept and "submit" not in kept and "response" in kept  # (`<response>`: the engine reads a call)
+    line.push("call")
+    kept = _kept(grammar, line, len(tokenizer))
+    assert line.call_closing == "<call" and kept and all(text.startswith(">") for text in kept)  # (">", "><", ...)
+    line.push(">")
     assert line.call_input is None and grammar.mask(logits, line) is logits  # (the call is over: no rule)
+
+
+def test_a_line_longer_than_a_call_is_not_followed_as_one(tokenizer):
+    """Regression (review): past MAX_CALL_LINE characters the line's text stopped growing and still read as a call."""
+    from app.answer_line import MAX_CALL_LINE, AnswerLine
+
+    line = AnswerLine()
+    line.push("<request><Search>")
+    for _ in range(MAX_CALL_LINE // 8 + 1):
+        line.push("abcdefg ")
+    assert line.call_input is None
+    line.push("\n<request><Search>kludge")
+    assert line.call_input == "kludge"
 
 
 def test_a_token_verified_as_a_draft_is_the_one_chosen_alone_mid_character(tiny_llama, tokenizer):
