@@ -119,3 +119,10 @@ def test_a_call_the_model_would_loop_in_ends_and_the_turn_answers(engine, questi
     call = episode.segments[0]  # (ended by `<call>`, or by `<response>`, which the engine reads as one)
     assert "\n" not in call.text and call.stop.string in ("<call>", RESPONSE)
     assert episode.stop.string == SUBMIT and episode.answer.startswith("Result = ")
+
+
+@pytest.mark.parametrize("question", ["Who are you?", "Are you an AI?", "Tell me about yourself."])
+def test_a_question_about_the_assistant_is_answered_by_it_about_itself(engine, question):
+    """Regression: "You're a small language model with a calculator and the Jargon File" (the visitor described)."""
+    episode = engine.ask(engine.new_session(), question, PAGE)
+    assert [s.kind for s in episode.segments] == ["model"] and episode.answer.startswith("Result = I am ")

@@ -51,7 +51,7 @@ def test_greetings_name_only_the_sessions_tools(names, named, unnamed):
     # or to look up a word of hacker slang": the greeting examples named both tools whatever the session had.
     rendered = render_prompt(default_prompt_template(), get_tools(names))
     greetings = "\n".join(f"{line}<" for line in GREETINGS.findall(rendered))
-    assert len(GREETINGS.findall(rendered)) == 4 and "{" not in greetings
+    assert len(GREETINGS.findall(rendered)) == 5 and "{" not in greetings  # (the template's greeting examples)
     assert all(words in greetings for words in named), greetings
     assert not any(words in greetings for words in unnamed), greetings
 
