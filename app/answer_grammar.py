@@ -25,7 +25,7 @@ from app.answer_line import (
     writes_it_twice,
 )
 from app.protocol import CALL, QUESTION_PREFIX, REQUEST, RESPONSE, SUBMIT
-from app.tools.search import NO_RESULTS
+from app.tools.search import NO_RESULTS, first_entry
 
 if TYPE_CHECKING:
     import torch
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 # also a sum Search passed on to it, see app.tools.registry.Misrouted), at the end of the ids
 _CALCULATED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
                          + re.escape(RESPONSE) + r"\Z")
-# A Search call (the Jargon File's tool, app.tools.registry) and its output, entries (`term: definition`, a line
-# each, no tag; not an error, not "no results"), at the end of the ids: the first entry (the best) is group 1
+# A Search call (the Jargon File's tool, app.tools.registry) and its output (no tag; not an error, not "no
+# results"), at the end of the ids
 _LOOKED_UP = re.compile(re.escape(REQUEST) + r"<Search>[^<]*" + re.escape(CALL) + r"(?!error: |"
-                        + re.escape(NO_RESULTS) + r")([^<\n]+?: [^<\n]+)(?:\n[^<]*)?" + re.escape(RESPONSE) + r"\Z")
+                        + re.escape(NO_RESULTS) + r")([^<]+)" + re.escape(RESPONSE) + r"\Z")
 # Any tool's call and its error (app.tools.registry.run_tool: `error: ...`, one line), at the end of the ids
 _FAILED = re.compile(re.escape(REQUEST) + r"<[A-Za-z]+>[^<]*" + re.escape(CALL) + r"(error: [^<\n]+)"
                      + re.escape(RESPONSE) + r"\Z")
@@ -81,10 +81,14 @@ class AnswerGrammar:
         look-up's first entry (the best; app.tools.search.first_entry, which the prompt's examples copy), or a
         tool's error. None after "no results", a number (calculated), or an output not within the last 200 ids."""
         text = "".join(self._texts[i] for i in ids[-200:])
-        found = _LOOKED_UP.search(text) or _FAILED.search(text)
+        if found := _LOOKED_UP.search(text):
+            line = first_entry(found[1])
+            line = line if ": " in line else None  # (entries are `term: definition` lines)
+        else:
+            line = found[1] if (found := _FAILED.search(text)) else None
         # a character split over tokens reads as U+FFFD in their texts, and as nothing until whole in the line's:
         # the quote stops before it (a review: "½", "™", soft hyphens held the answer at the same byte)
-        return (found[1].split(_SPLIT_CHAR, 1)[0].rstrip() or None) if found else None
+        return (line.split(_SPLIT_CHAR, 1)[0].rstrip() or None) if line else None
 
     def follows_a_question(self, ids: list[int]) -> bool:
         """Whether a segment that starts after these ids starts the reply to a question: they end with the

@@ -170,11 +170,12 @@ class AnswerLine:
         owed = number if number is not None else quote  # a tool's output the answer line begins with
         self._owed = None if owed is None else " " + owed  # (as the answer writes it)
         self._numeric = number is not None  # (then no more of the number after it)
-        self._line = ""  # the current line, while the owed output may still be due on it
-        self._opening = ""  # the line's first characters: whether it is the answer line
+        # the current line's text, as far as a rule reads it: a call's (MAX_CALL_LINE) or the owed output and a few
+        # characters after it; `_long` once the line has gone past that (no call, the owed output long written)
+        self._text, self._long = "", False
+        self._keep = max(MAX_CALL_LINE, len(prefix) + len(self._owed or "") + 8)
         self._end = ""  # its last characters: an open `<tag`
         self._brackets = 0  # round brackets the line has opened and not closed
-        self._text: str | None = ""  # the line's text while it may be a call (None past MAX_CALL_LINE characters)
         # after a tool's output: the segment's text until it opens the answer or a call (None: no such rule now)
         self._head: str | None = "" if after_tool else None
         # right after the question: the reply's text until it holds more than a newline (None: no such rule now)
@@ -204,12 +205,17 @@ class AnswerLine:
         return self._opening.lstrip().startswith(self._prefix)
 
     @property
+    def _opening(self) -> str:
+        """The line's first characters: whether it is the answer line."""
+        return self._text[: len(self._prefix) + 8]
+
+    @property
     def owed_due(self) -> str | None:
         """While the rule of a tool's output holds, the answer line's text after `Result =` so far: until the
         output is whole, and after a number while what follows may still go on with it ("64." could be 64.5)."""
-        if self._owed is None or not self.on_answer:
+        if self._owed is None or self._long or not self.on_answer:
             return None
-        written = self._line.lstrip()[len(self._prefix):]
+        written = self._text.lstrip()[len(self._prefix):]
         if self._owed.startswith(written):  # (not begun, or begun)
             return written
         whole = self._numeric and written.startswith(self._owed) and _MAY_GO_ON.fullmatch(written[len(self._owed):])
@@ -263,16 +269,16 @@ class AnswerLine:
 
     def _calling(self) -> re.Match | None:
         text = self._text
-        found = _CALLING.search(text) if text is not None and text.startswith(REQUEST) else None
+        found = _CALLING.search(text) if not self._long and text.startswith(REQUEST) else None
         if found is None or (found[2] is not None and not any(end.startswith(found[2]) for end in CALL_ENDS)):
             return None
         return found
 
     def copy(self) -> "AnswerLine":
         other = AnswerLine(self._prefix)
-        other._opening, other._end, other._head, other._start = self._opening, self._end, self._head, self._start
-        other._owed, other._numeric, other._line = self._owed, self._numeric, self._line
-        other._brackets, other._text = self._brackets, self._text
+        other._end, other._head, other._start = self._end, self._head, self._start
+        other._owed, other._numeric, other._keep = self._owed, self._numeric, self._keep
+        other._brackets, other._text, other._long = self._brackets, self._text, self._long
         other._opening_due, other._begun = self._opening_due, self._begun
         return other
 
@@ -288,15 +294,13 @@ class AnswerLine:
             if _past_one_newline(self._head).startswith(OPENINGS):
                 self._head = None  # opened: the answer line's own rules (or none, in a call) from here
         if "\n" in delta:
-            self._opening = self._end = self._line = self._text = ""
-            self._brackets = 0
+            self._end = self._text = ""
+            self._brackets, self._long = 0, False
             delta = delta.rsplit("\n", 1)[-1]
-        if self._owed is not None and len(self._line) < len(self._prefix) + len(self._owed) + 8:
-            self._line += delta  # (only as long as the owed output's rule needs it)
-        if self._text is not None:
-            self._text = self._text + delta if len(self._text) + len(delta) <= MAX_CALL_LINE else None
+        if not self._long:
+            self._long = len(self._text) + len(delta) > self._keep
+            self._text = self._text if self._long else self._text + delta
         for char in delta:  # (a `)` with none open closes nothing: "Result = :)")
             if char in "()":
                 self._brackets = self._brackets + 1 if char == "(" else max(0, self._brackets - 1)
-        self._opening = (self._opening + delta)[: len(self._prefix) + 8]
         self._end = (self._end + delta)[-len(SUBMIT):]  # long enough for an open `<submit`
