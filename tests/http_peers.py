@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import http.server
 import threading
-import time
 
 
-def serve(body: bytes, status: int = 200, stall_s: float = 0.0):
-    """A loopback HTTP server answering every POST with `body` (then stalling `stall_s` before closing)."""
+def serve(body: bytes, status: int = 200, hold: threading.Event | None = None):
+    """A loopback HTTP server answering every POST with `body`, then, with `hold`, keeping the connection open
+    (stalled, nothing more sent) until `hold` is set."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's naming)
@@ -18,7 +18,8 @@ def serve(body: bytes, status: int = 200, stall_s: float = 0.0):
             self.end_headers()
             self.wfile.write(body)
             self.wfile.flush()
-            time.sleep(stall_s)
+            if hold is not None:
+                hold.wait()
 
         def log_message(self, *args):
             pass

@@ -197,6 +197,19 @@ def test_a_waiting_turns_cache_is_not_dropped_and_a_dropped_one_is_reserved_whol
         assert counted(store) == 50
 
 
+def until(predicate) -> None:
+    """Wait (no deadline: pytest-timeout ends a hang) until `predicate` holds; it reads the store's records."""
+    while not predicate():
+        time.sleep(0.001)
+
+
+def queued(store: SessionStore) -> int:
+    """How many jobs wait in turn_slot's line. Read under the store's condition: a job appends itself and checks
+    whether it may start under it, so a job counted here has checked and is waiting."""
+    with store._turns:
+        return len(store._queue)
+
+
 def test_jobs_waiting_for_room_start_in_the_order_they_came():
     """Regression (load test, 20 chats under a 64 MB budget, p95 first text 8.9-10.9 s): a waiting job was
     overtaken by every later one that happened to fit, so a turn that needed more room waited longest (an API
@@ -204,35 +217,47 @@ def test_jobs_waiting_for_room_start_in_the_order_they_came():
     store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
     order: list[str] = []
 
-    def job(name: str, reserve: int) -> threading.Thread:
+    def job(name: str, reserve: int, ahead: int) -> threading.Thread:
         def run() -> None:
             with store.turn_slot(lambda: 0, reserve=reserve):
                 order.append(name)
 
         thread = threading.Thread(target=run)
         thread.start()
-        time.sleep(0.1)  # (it has come, and waits)
+        until(lambda: queued(store) == ahead + 1 or order)  # it has come and waits (or, wrongly, has run)
         return thread
 
     with store.turn_slot(lambda: 0, reserve=60):  # running
-        big = job("big", 50)  # 60 + 50 > 100: waits
-        small = job("small", 10)  # 60 + 10 fits, but the big one came first
-        time.sleep(0.2)
+        big = job("big", 50, ahead=0)  # 60 + 50 > 100: waits
         assert order == []
-    big.join(5), small.join(5)
+        small = job("small", 10, ahead=1)  # 60 + 10 fits, but the big one came first
+        assert order == []
+    big.join(), small.join()
     assert order == ["big", "small"]
+
+
+class NoWaiting(threading.Condition):
+    """turn_slot's condition, for a test where no job may wait for room: waiting fails the test at once."""
+
+    def wait(self, timeout=None):
+        raise AssertionError("a job waited for room")
 
 
 def test_one_turn_always_runs_and_a_stopped_one_does_not_wait():
     store = SessionStore(budget_bytes=10, idle_timeout_s=3600)
+    store._turns = NoWaiting()
     s = filled(store, {"a": 100})
-    s["a"].lock.acquire()
+    s["a"].lock.acquire()  # a turn runs in "a": its cache cannot be dropped to make room
+    ran = []
     with store.turn_slot(lambda: 50):  # over the budget on its own: it runs, being the only one
+        ran.append("alone")
         stop = threading.Event()
         stop.set()
         with store.turn_slot(lambda: 50, cancel=stop):  # stopped: it starts at once, to stop at its first step
-            pass
+            ran.append("stopped")
     s["a"].lock.release()
+    assert ran == ["alone", "stopped"] and s["a"].cache.dropped == 0
+    assert queued(store) == 0 and store._running == 0 and store._reserved == []  # both left the store's records
 
 
 def test_the_sweeper_deletes_idle_sessions_without_any_visitor():

@@ -11,7 +11,7 @@ import pytest
 from app.decoding import Holdback, Limit, StopReason, tokens_before
 from app.engine import Engine, EpisodeFinished, InputError, Settings, TextDelta
 from app.protocol import encode
-from tests.conftest import forced, plan_text, prime
+from tests.conftest import ForcedModel, forced, plan_text, prime
 
 PROMPT = "Answer with tools.\n{tools}\n\n"
 
@@ -414,27 +414,54 @@ def test_bad_questions_are_clear_errors(tiny_llama, question):
         engine.ask(engine.new_session(), question)
 
 
+class Gated(ForcedModel):
+    """A ForcedModel whose forward pass for plan step `hold` (and later) waits for `release`: the scheduler's
+    thread cannot run ahead of the reader by more than the passes before it, whatever the machine's load."""
+
+    def __init__(self, base, plan, hold: int, release: threading.Event):
+        super().__init__(base, plan)
+        self.hold, self.release = hold, release
+        self.gating = False  # off while the session's prompt is prefilled
+
+    def forward(self, input_ids, **kwargs):
+        if self.gating and self.step >= self.hold:
+            self.release.wait()
+        return super().forward(input_ids, **kwargs)
+
+
 def test_cancel_stops_between_tokens_and_keeps_the_session_consistent(tiny_llama):
     """Stop ends the segment before the row's next pass: one may be under way already (a row's per-token work runs
     in the scheduler's thread right after each pass), and its token is then kept and streamed; either way the
-    segment holds exactly the text that was streamed."""
-    engine = Engine(forced(tiny_llama, {i: 1000 + i for i in range(100)}), prompt=PROMPT)
-    session = prime(engine)
+    segment holds exactly the tokens whose text was streamed. The model's pass for token 4 waits for the Stop, so
+    the scheduler cannot have run further ahead when it comes (no timing: the passes themselves are held)."""
+    import dataclasses
+
+    plan = {i: 1000 + i for i in range(100)}
     cancel = threading.Event()
+    model = Gated(tiny_llama.model, plan, hold=3, release=cancel)
+    engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
+    session = prime(engine)
+    model.gating = True
     deltas, streamed = 0, ""
     for event in engine.turn(session, "count", Settings(max_new_tokens=100), cancel=cancel):
         if isinstance(event, TextDelta):
             deltas += 1
             streamed += event.text
             if deltas == 3:
+                assert not cancel.is_set()
                 cancel.set()
         if isinstance(event, EpisodeFinished):
             episode = event.episode
     (segment,) = episode.segments
-    assert segment.stop.reason is StopReason.CANCELLED and segment.generated_tokens in (3, 4)
-    assert segment.text == streamed
+    n = segment.generated_tokens
+    assert segment.stop.reason is StopReason.CANCELLED and n in (3, 4)  # the pass held at Stop may be kept
+    # exactly the tokens streamed: the planned ones, in the segment's ids, and their text is what the reader got
+    assert session.cache.ids[segment.start:segment.end] == [plan[i] for i in range(n)]
+    assert segment.end - segment.start == n
+    assert segment.text == streamed == tiny_llama.tokenizer.decode([plan[i] for i in range(n)])
     session.cache.check()
     # The session goes on: the next turn prefills only its new tokens.
+    model.gating = False
     nxt = engine.ask(session, "again", Settings(max_new_tokens=2))
     assert nxt.segments[0].cached_tokens == len(session.cache) - nxt.segments[0].generated_tokens - nxt.segments[0].prefill_tokens
 

@@ -28,14 +28,24 @@ def test_every_event_arrives_once_in_order_and_no_batch_is_empty():
 
 def test_the_turn_runs_at_its_own_pace_while_the_page_renders():
     """Regression: iterated inside the handler, a turn asked for its next token only after the page had rendered
-    the last one; now a slow consumer gets everything that arrived meanwhile in one batch."""
+    the last one; now a slow consumer gets everything that arrived meanwhile in one batch. (No timing: the turn
+    holds its second event until the page has its first, and the page renders until the turn has ended.)"""
     cancel, seen = threading.Event(), []
-    batches = in_batches(counting(20, cancel, seen), cancel)
+    page_has_first, turn_ended = threading.Event(), threading.Event()
+
+    def turn():
+        for i in counting(20, cancel, seen):
+            yield i
+            if i == 0:
+                page_has_first.wait()
+        turn_ended.set()
+
+    batches = in_batches(turn(), cancel)
     first = next(batches)
-    time.sleep(0.3)  # the page is busy rendering `first`
-    assert len(seen) == 20  # ... and the turn went on meanwhile
-    rest = [e for batch in batches for e in batch]
-    assert first + rest == list(range(20)) and len(rest) > 1
+    page_has_first.set()
+    turn_ended.wait()  # the page is busy rendering `first` (without a thread of its own, the turn never ends)
+    assert first == [0] and len(seen) == 20  # ... and the turn went on meanwhile
+    assert list(batches) == [list(range(1, 20))]  # everything that arrived meanwhile, in one batch
 
 
 def test_an_error_is_raised_after_the_events_before_it():
@@ -73,28 +83,30 @@ def test_a_closed_stream_returns_at_once_and_its_handler_closes_on_a_thread():
 
     from app.streaming import closes_elsewhere
 
-    ended, proceed = [], threading.Event()
+    ended, proceed, finished = [], threading.Event(), threading.Event()
+    caller = threading.current_thread()
 
     def handler(message: str, request=None, seed=0):
         """the handler's own words"""
         try:
             yield from range(10)
         finally:
-            proceed.wait(5)  # (a turn ending: the next step)
-            ended.append(message)
+            if threading.current_thread() is caller and message == "hi":  # (the close waited for the finally)
+                ended.append("closed on the caller's thread")
+            else:
+                proceed.wait()  # (a turn ending: the next step, which comes after close has returned)
+                ended.append(message)
+                finished.set()
 
     wrapped = closes_elsewhere(handler)
     assert inspect.isgeneratorfunction(wrapped) and inspect.signature(wrapped) == inspect.signature(handler)
     assert wrapped.__doc__ == handler.__doc__
     stream = wrapped("hi")
     assert next(stream) == 0
-    began = time.perf_counter()
     stream.close()
-    assert time.perf_counter() - began < 0.5 and ended == []  # (not waiting for the handler's finally)
+    assert ended == []  # (not waiting for the handler's finally, which waits for `proceed`)
     proceed.set()
-    deadline = time.monotonic() + 5
-    while not ended and time.monotonic() < deadline:
-        time.sleep(0.01)
+    finished.wait()
     assert ended == ["hi"]
     assert list(wrapped("all")) == list(range(10)) and ended == ["hi", "all"]  # (run to its end: as before)
 
