@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from app.decoding import Stop
+from app.episode import Provenance
 
 if TYPE_CHECKING:
     import torch
@@ -39,10 +40,12 @@ class SegmentRun:
     stop: Stop | None = None
     prefill_tokens: int | None = 0  # tokens fed through the model as new input; None: the server did not say
     cached_tokens: int | None = 0  # tokens whose keys/values came from a cache; None: the server did not say
-    generated_tokens: int = 0
-    # given by the engine: the text the segment's tokens must spell first (a question's claimed tool call, see
-    # app.engine.Engine.claimed_call); in process only, like the answer line's grammar (a model server writes freely)
-    opening: str | None = None
+    generated_tokens: int = 0  # tokens the model chose
+    # given by the engine: the GBNF grammar the segment's tokens follow (app.guide), None with the guide off
+    grammar: str | None = None
+    # with a grammar: who chose each token the segment added (app.episode.Provenance), filled in by the backend
+    provenance: list[Provenance] | None = None
+    steered_known: bool = True  # False where the backend cannot tell a steered token from the model's own
 
 
 class Backend(Protocol):

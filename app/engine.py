@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import replace
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,9 @@ from transformers import DynamicCache
 
 from app.backend import Backend, SegmentRun
 from app.decoding import Holdback, Limit, Stop, StopReason, tokens_before
-from app.episode import (Episode, EpisodeFinished, Event, Segment, SegmentFinished, SegmentStarted, Span,  # noqa: F401
-                         TextDelta)
+from app.episode import (Episode, EpisodeFinished, Event, Provenance, Segment, SegmentFinished,  # noqa: F401
+                         SegmentStarted, Span, TextDelta)
+from app.guide import Guide, build_guide, claimed_guide, owed_text
 from app.kvcache import TokenCache, kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
@@ -35,7 +37,7 @@ from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, T
                           neutralize, parse_tool_call)
 from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
                           require_utf8)
-from app.tools.registry import Tool, default_tools, run_tool
+from app.tools.registry import Tool, default_tools, find_tool, run_tool
 
 log = logging.getLogger(__name__)
 
@@ -182,17 +184,19 @@ class Engine:
     def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
         cache = session.cache
         query_ids = self.query_ids(session, question, settings)
-        episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache, self.backend.name)
+        episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache, self.backend.name,
+                          guide=settings.guide)
         cache.extend(query_ids)
         if settings.use_cache and cache.cached == 0:  # evicted: the shared prompt's part need not be recomputed
             self._reuse_prompt(cache)
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
-            opening = self.claimed_call(question, settings, room=settings.max_length - len(cache))
+            claimed = self.claimed_call(question, settings, room=settings.max_length - len(cache))
+            after: Segment | None = None  # the tool segment this model segment follows
             for calls in count():
-                segment = yield from self._model_segment(session, episode, settings, cancel, row,
-                                                         opening if calls == 0 else None)
+                guide = self.guide(settings, claimed if calls == 0 else None, after, calls < settings.max_turns)
+                segment = yield from self._model_segment(session, episode, settings, cancel, row, guide)
                 if not calls_tool(segment.stop.string, segment.text):
                     break
                 if calls >= settings.max_turns:
@@ -200,6 +204,7 @@ class Engine:
                     break
                 if cancel is None or not cancel.is_set():  # Stop during the step that wrote <call>: no tool
                     yield from self._tool_segment(session, episode, segment, settings, row)
+                    after = episode.segments[-1]
                 # (when cancelled, the next model segment records the stop with zero tokens and the turn ends)
         finally:
             episode.ms = (time.perf_counter() - started) * 1000
@@ -213,11 +218,26 @@ class Engine:
             bases = list(self._prompt_caches.values())
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
+    def guide(self, settings: Settings, claimed: str | None, after: Segment | None, calls: bool) -> Guide | None:
+        """A model segment's guide (None with the guide off): the claimed call, else the grammar of a reply after
+        the question or after `after`, a tool segment; `calls`: whether another call may run (max_turns)."""
+        if not settings.guide:
+            return None
+        if claimed is not None:
+            return claimed_guide(claimed)
+        owed = None
+        if after is not None:
+            output = after.text.removeprefix(CALL)  # (the engine's own <call>, where it closed the request)
+            output = output[: output.rfind(RESPONSE)] if RESPONSE in output else output
+            tool = find_tool(self.tools, after.ran or after.tool or "")
+            owed = owed_text(output, after.ok, tool.answer if tool is not None and after.ok else str)
+        return build_guide(self.tools, owed, calls=calls, after_tool=after is not None)
+
     def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:
-        """The call a question's answer opens with where one of the session's tools claims it (Tool.claims), else
-        None: the model chooses; None too where it could not run (max_turns 0) or be written whole (max_new_tokens,
-        `room` left in max_length): a call cut short would end the turn with no answer."""
-        if settings is not None and settings.max_turns <= 0:
+        """The call a question's reply is, written by the engine, where one of the session's tools claims it
+        (Tool.claims) and the guide is on; else None: the model chooses. None too where it could not run
+        (max_turns 0) or be written whole (max_new_tokens, `room` left in max_length)."""
+        if settings is not None and (settings.max_turns <= 0 or not settings.guide):
             return None
         for tool in self.tools.values():
             if tool.claims is not None and (query := tool.claims(question)):
@@ -230,21 +250,30 @@ class Engine:
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
                        cancel: threading.Event | None, row: int,
-                       opening: str | None = None) -> Generator[Event, None, Segment]:
+                       guide: Guide | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
-        run = SegmentRun(opening=opening)
+        run = SegmentRun(grammar=guide.grammar if guide else None, provenance=[] if guide else None)
         yield SegmentStarted(row, "model")
         try:
             if len(cache) >= settings.max_length:
                 run.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
             else:
                 stream = Holdback(CUT_STOPS)  # text that may start a cut stop string waits for the next token
-                # closing: a closed turn (Stop in the page) closes the backend's segment at once (e.g. its stream)
-                with closing(self.backend.run_segment(cache, settings, cancel, run, session.generator)) as deltas:
-                    for delta in deltas:
-                        if shown := stream.push(delta):
-                            yield TextDelta(row, shown)
+                if guide is not None and guide.opening:  # the engine's own text: forced, and fits (claimed_call)
+                    opening = self._encode(guide.opening)
+                    cache.extend(opening)
+                    run.provenance += [Provenance.FORCED] * len(opening)
+                    if shown := stream.push(guide.opening):
+                        yield TextDelta(row, shown)
+                    if guide.opening.endswith(CALL):  # the whole reply: generation stops at this stop string
+                        run.stop = Stop(StopReason.STRING_MATCH, string=CALL)
+                if run.stop is None:
+                    # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
+                    with closing(self.backend.run_segment(cache, settings, cancel, run, session.generator)) as deltas:
+                        for delta in deltas:
+                            if shown := stream.push(delta):
+                                yield TextDelta(row, shown)
                 end = None
                 if run.stop is not None and run.stop.string in CUT_STOPS:  # not part of the answer
                     end = self._cut(cache, start, run.stop.string)
@@ -254,7 +283,8 @@ class Engine:
             segment = Segment("model", self._decode(cache.ids[start:], skip_special_tokens=True), start, len(cache),
                               stop=run.stop or Stop(StopReason.CANCELLED), prefill_tokens=run.prefill_tokens,
                               cached_tokens=run.cached_tokens, generated_tokens=run.generated_tokens,
-                              ms=(time.perf_counter() - began) * 1000)
+                              ms=(time.perf_counter() - began) * 1000, steered_known=run.steered_known,
+                              provenance=None if run.provenance is None else run.provenance[: len(cache) - start])
             episode.segments.append(segment)
         yield SegmentFinished(row, segment)
         return segment
@@ -359,9 +389,11 @@ class Engine:
                 raise
 
     def run(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
-            reward_fn: Callable[[int, Episode], float] | None = None) -> list[Episode]:
+            reward_fn: Callable[[int, Episode], float] | None = None, guide: bool | None = None) -> list[Episode]:
         """Batch episodes like TRL's TextEnvironment.run(queries), all rows at once; reward_fn(row, episode)
-        scores each."""
+        scores each. `guide`: guided answers on or off (default: the settings', on)."""
+        if guide is not None:
+            settings = replace(settings or Settings(), guide=guide)
         finished = {e.row: e.episode for e in self.stream_batch(questions, settings, prompt)
                     if isinstance(e, EpisodeFinished)}
         episodes = [finished[row] for row in sorted(finished)]

@@ -5,11 +5,20 @@ Plain data, serialized the same way everywhere (the CLI's JSON, the API, the pag
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from app.decoding import Stop, StopReason
+
+
+class Provenance(str, enum.Enum):
+    """Who chose a model segment's token (app.guide)."""
+
+    MODEL = "model"  # the model's own choice
+    STEERED = "steered"  # the guide removed the token the model ranked first
+    FORCED = "forced"  # the guide's: written by the engine, or the only text the grammar allowed
 
 
 @dataclass
@@ -27,8 +36,37 @@ class Segment:
     ok: bool = True
     prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
     cached_tokens: int | None = 0  # tokens whose keys/values came from the cache (None: a server did not say)
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # tokens the model chose (forced ones are the guide's)
     ms: float = 0.0
+    # a model segment's tokens, each with who chose it; None: the guide was off (every token the model's)
+    provenance: list[Provenance] | None = None
+    steered_known: bool = True  # False where a model server does not say whether its grammar steered a token
+
+    @property
+    def forced_tokens(self) -> int:
+        return sum(p is Provenance.FORCED for p in self.provenance or ())
+
+    @property
+    def steered_tokens(self) -> int | None:
+        """Tokens the guide steered; None where a model server cannot say."""
+        if not self.steered_known:
+            return None
+        return sum(p is Provenance.STEERED for p in self.provenance or ())
+
+    @property
+    def guided_label(self) -> str:
+        """"guided: 9 forced, 2 steered" ("" where the guide changed nothing that is known, or was off)."""
+        forced, steered = self.forced_tokens, self.steered_tokens
+        if not forced and not steered:
+            return ""
+        parts = ([f"{forced} forced"] if forced else []) + ([f"{steered} steered"] if steered else [])
+        return "guided: " + ", ".join(parts + (["steered not reported"] if steered is None else []))
+
+    def token_provenance(self) -> list[Provenance]:
+        """Who chose each of the segment's tokens (a tool segment's: none, []; the guide off: the model)."""
+        if self.kind != "model":
+            return []
+        return list(self.provenance) if self.provenance is not None else [Provenance.MODEL] * (self.end - self.start)
 
     @property
     def tools_named(self) -> str | None:
@@ -49,6 +87,8 @@ class Segment:
             "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "ms": round(self.ms, 3),
+            **({"guided": {"forced_tokens": self.forced_tokens, "steered_tokens": self.steered_tokens}}
+               if self.kind == "model" and self.provenance is not None else {}),
         }
 
 
@@ -69,6 +109,7 @@ class Episode:
     finished: bool = False
     error: str | None = None  # why the turn failed (the model or its server raised), when it did
     unrun_call: bool = False  # the answer ended with a tool call that max_turns left unrun
+    guide: bool = False  # whether the guide (app.guide) shaped the model segments
 
     UNRUN_NOTE = "the last tool call was not run: max_turns (tool calls per answer) was reached"
 
@@ -111,12 +152,19 @@ class Episode:
         return total_or_none(s.cached_tokens for s in self.segments)
 
     @property
+    def provenance(self) -> list[str]:
+        """Who wrote each of token_ids: "user" (the question), "tool", or a model token's Provenance value
+        ("model", "steered", "forced")."""
+        out = ["user"] * (self.query_end - self.query_start)
+        for s in self.segments:
+            out += ["tool"] * (s.end - s.start) if s.kind == "tool" else [p.value for p in s.token_provenance()]
+        return out[: len(self.token_ids)]
+
+    @property
     def mask(self) -> list[int]:
-        """1 for tokens the model generated, 0 for inserted ones (query, tool output), over token_ids."""
-        mask = [0] * len(self.token_ids)
-        for s in self.model_segments:
-            mask[s.start - self.query_start : s.end - self.query_start] = [1] * (s.end - s.start)
-        return mask
+        """TRL's mask over token_ids: 1 for tokens the policy chose (the model's, steered ones included: drop
+        those with `provenance`), 0 for inserted ones (query, tool output) and those the guide forced."""
+        return [int(p in ("model", "steered")) for p in self.provenance]
 
     def to_json(self) -> dict:
         return {
@@ -126,6 +174,7 @@ class Episode:
             "total_tokens": self.total_tokens,
             "cache": {"enabled": self.use_cache, "prefill_tokens": self.prefill_tokens,
                       "reused_tokens": self.reused_tokens},
+            "guide": self.guide,
             "segments": [s.to_json() for s in self.segments],
             **({"error": self.error} if self.error else {}),
             **({"unrun_call": self.UNRUN_NOTE} if self.unrun_call else {}),

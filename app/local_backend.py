@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.answer_line import AnswerLine
 from app.backend import SegmentRun
 from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, greedy, next_token
+from app.episode import Provenance
+from app.guide_matcher import GuideMatcher
 from app.kvcache import TokenCache
 from app.model import LoadedModel
 from app.protocol import STOP_STRINGS
@@ -70,7 +71,9 @@ class LocalBackend:
         request, read = None, False
         try:
             keep = steps.next_pass()
-            if keep is None:
+            if keep is None:  # (the guide's forced tokens may have ended it before any pass)
+                while not steps.texts.empty():
+                    yield from filter(None, steps.texts.get())
                 return
             request = self.loaded.scheduler.submit(cache, keep, cancel, then=steps.passed, ended=steps.end)
             while (deltas := steps.texts.get()) is not None:
@@ -90,24 +93,23 @@ class LocalBackend:
             if not settings.use_cache:
                 cache.drop_kv()
 
-    def _choose(self, logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
-                line: AnswerLine, detok: Detokenizer) -> list[int]:
+    @staticmethod
+    def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
+                guide: GuideMatcher | None) -> tuple[list[int], list[Provenance]]:
         """The new tokens: the drafts the model agrees with, then the model's own next token, each chosen from the
-        logits as the answer line's grammar masks them (app.answer_grammar), so drafts never change what is chosen.
-        The line reads each accepted draft as the segment's text will (`detok`'s deltas: "" while a character is
-        incomplete): read as the token's own text (U+FFFD for a lone UTF-8 byte), a token verified as a draft
-        could differ from the one chosen alone, and drafts come and go with the number of chats running."""
-        grammar = self.loaded.answer_grammar
-        if not drafts:
-            return [next_token(grammar.mask(logits[-1], line), settings.temperature, settings.top_p, generator)]
-        ahead, text, tokens = line.copy(), detok.copy(), []
+        logits as the guide masks them (so drafts never change what is chosen), with who chose each. The guide
+        takes each token as it is chosen."""
+        tokens, chosen_by = [], []
         for i in range(len(drafts) + 1):
-            tokens.append(greedy(grammar.mask(logits[i], ahead)))
-            if i == len(drafts) or tokens[-1] != drafts[i]:
-                break
-            with self.lock:  # (the tokenizer)
-                ahead.push(text.push(tokens[-1]))
-        return tokens
+            row, steered = (logits[i], False) if guide is None else guide.mask(logits[i])
+            pick = next_token(row, settings.temperature, settings.top_p, generator) if not drafts else greedy(row)
+            tokens.append(pick)
+            chosen_by.append(Provenance.STEERED if steered else Provenance.MODEL)
+            if guide is not None:
+                guide.consume([pick])
+            if i == len(drafts) or pick != drafts[i] or (guide is not None and guide.done):
+                break  # (a finished grammar takes no more tokens: the stop check ends the segment there)
+        return tokens, chosen_by
 
 
 class SegmentSteps:
@@ -121,10 +123,9 @@ class SegmentSteps:
         self.backend, self.cache, self.settings, self.cancel, self.run = backend, cache, settings, cancel, run
         self.generator = generator
         self.stops, self.detok = backend.stops.start(), Detokenizer(backend.tokenizer)
-        grammar = backend.loaded.answer_grammar
-        self.line = AnswerLine(after_tool=grammar.follows_a_tool(cache.ids), number=grammar.calculated(cache.ids),
-                               quote=grammar.quoted(cache.ids), after_question=grammar.follows_a_question(cache.ids),
-                               opening=run.opening)
+        self.guide = None if run.grammar is None else backend.loaded.guide_vocab.matcher(run.grammar)
+        self.added = 0  # tokens the segment added: the model's and the guide's (max_new_tokens bounds them all)
+        self.first = True  # before the segment's first pass (its prefill)
         greedy_drafts = settings.draft_tokens and settings.temperature <= 0
         self.lookup = PromptLookup(cache.ids) if greedy_drafts else None
         # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
@@ -143,9 +144,12 @@ class SegmentSteps:
         if self.closed or (self.cancel is not None and self.cancel.is_set()):
             run.stop = Stop(StopReason.CANCELLED)
             return None
+        if self.guide is not None and (forced := self.guide.forced()):  # the text the grammar fixes: no choice
+            self.texts.put(self._force(forced))
+            if run.stop is not None:
+                return None
         self.base = len(cache)
-        generated = run.generated_tokens
-        room = min(settings.max_new_tokens - generated, settings.max_length - self.base) - 1
+        room = min(settings.max_new_tokens - self.added, settings.max_length - self.base) - 1
         share = max(1, DRAFTS_PER_STEP // max(1, self.backend.loaded.scheduler.rows_in_turns()))
         # (the first pass too: after a question or a tool's result the model mostly starts as the prompt's examples
         # do, "<request><", "Result = ...", so its first text comes a pass earlier)
@@ -166,25 +170,16 @@ class SegmentSteps:
             run.stop = Stop(StopReason.CANCELLED)
             return None
         try:
-            if run.generated_tokens == 0:
+            if self.first:
+                self.first = False
                 run.prefill_tokens, run.cached_tokens = fed - len(drafts), hit  # (drafts are not prompt)
-            tokens = self.backend._choose(logits, drafts, settings, self.generator, self.line, self.detok)
+            tokens, chosen_by = self.backend._choose(logits, drafts, settings, self.generator, self.guide)
             if drafts:
                 full = len(tokens) > len(drafts)
                 self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
             cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
             cache.extend(tokens[-1:])
-            deltas = []
-            with self.backend.lock:  # the tokenizer
-                for i, token in enumerate(tokens):  # each new token is checked in order
-                    run.generated_tokens += 1
-                    deltas.append(self.detok.push(token))
-                    self.line.push(deltas[-1])
-                    run.stop = self.stops.check(token, deltas[-1], run.generated_tokens, settings.max_new_tokens,
-                                                self.base + i + 1, settings.max_length)
-                    if run.stop is not None:
-                        cache.truncate(self.base + i + 1)  # nothing after the stop is kept
-                        break
+            deltas = self._take(tokens, chosen_by, self.base)
         except Exception:
             self.failed_step()
             raise
@@ -192,6 +187,33 @@ class SegmentSteps:
             self.lookup.sync()
         self.texts.put(deltas)
         return self.next_pass()
+
+    def _force(self, forced: list[int]) -> list[str]:
+        """Add the tokens the guide fixed (within the budget): its own, fed by the next pass."""
+        room = min(self.settings.max_new_tokens - self.added, self.settings.max_length - len(self.cache))
+        forced = forced[:room]
+        self.guide.consume(forced)
+        at = len(self.cache)
+        self.cache.extend(forced)
+        return self._take(forced, [Provenance.FORCED] * len(forced), at)
+
+    def _take(self, tokens: list[int], chosen_by: list[Provenance], at: int) -> list[str]:
+        """The segment takes `tokens` (in the ids from position `at`): each one's text, checked in order for a
+        stop; nothing after a stop is kept. Their text deltas."""
+        run, settings, deltas = self.run, self.settings, []
+        with self.backend.lock:  # the tokenizer
+            for i, token in enumerate(tokens):
+                self.added += 1
+                run.generated_tokens += chosen_by[i] is not Provenance.FORCED
+                if run.provenance is not None:
+                    run.provenance.append(chosen_by[i])
+                deltas.append(self.detok.push(token))
+                run.stop = self.stops.check(token, deltas[-1], self.added, settings.max_new_tokens, at + i + 1,
+                                            settings.max_length)
+                if run.stop is not None:
+                    self.cache.truncate(at + i + 1)
+                    break
+        return deltas
 
     def end(self) -> None:
         """The request is done (any outcome): the segment's thread stops reading."""
@@ -217,7 +239,7 @@ class SegmentSteps:
         two chunks (recorded as cancelled); any other error is the step's failure, re-raised."""
         if isinstance(error, Cancelled):
             self.cache.truncate(self.base)
-            if self.run.generated_tokens == 0:
+            if self.first:
                 self.run.prefill_tokens, self.run.cached_tokens = error.fed, error.reused
             self.run.stop = Stop(StopReason.CANCELLED)
             return

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from app.answer_grammar import AnswerGrammar
 from app.attention import use_gqa_sdpa
 from app.int8 import SAVED_INT8, int8_state, to_int8
 from app.ragged import supports
 from app.scheduler import Scheduler
 from app.config import cache_dir
+from app.guide_matcher import GuideVocab
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ class LoadedModel:
         return special_token_texts(self.tokenizer)
 
     @functools.cached_property
-    def answer_grammar(self) -> AnswerGrammar:
-        """The tokens each answer-line state allows (app.answer_grammar), built once per model."""
+    def guide_vocab(self) -> GuideVocab:
+        """The guide's view of the tokenizer (app.guide_matcher), built once per model when first needed."""
         with self.lock:  # the tokenizer
-            return AnswerGrammar(self.tokenizer)
+            return GuideVocab(self.tokenizer, self.eos_ids)
 
 
 def special_token_texts(tokenizer) -> list[str]:

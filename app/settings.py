@@ -29,6 +29,7 @@ class Settings:
     use_cache: bool = True
     seed: int = 0
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
+    guide: bool = True  # guided answers (app.guide): a grammar per segment, every token it decides shown as such
 
     def validated(self, context_limit: int) -> "Settings":
         checks = [
@@ -41,6 +42,7 @@ class Settings:
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
             (0 <= self.seed < 2**63, "seed must be between 0 and 2**63 - 1"),
+            (isinstance(self.guide, bool), "guide must be true or false"),
         ]
         for ok, message in checks:
             if not ok:

@@ -96,6 +96,35 @@ class ForcedModel(torch.nn.Module):
         return out
 
 
+class WritingModel(ForcedModel):
+    """A ForcedModel that writes `pieces[i]` after the i-th tool output (`<response>`) of its session: each pass
+    makes the next token of whatever part of the piece the session's ids do not end with yet its argmax, so
+    tokens a guide forced or steered in between are taken into account."""
+
+    def __init__(self, base: torch.nn.Module, tokenizer, pieces: tuple[str, ...]):
+        super().__init__(base)
+        self.tokenizer, self.pieces, self.ids = tokenizer, pieces, []
+
+    def forward(self, input_ids, **kwargs):
+        past = kwargs.get("cache")
+        if past is None or past.get_seq_length() == 0:
+            self.ids = []
+        self.ids += input_ids[0].tolist()
+        written = self.tokenizer.decode(self.ids)
+        text = self.pieces[min(written.count("<response>"), len(self.pieces) - 1)]
+        written = written[-len(text) - 1:]
+        k = next(k for k in range(min(len(text), len(written)), -1, -1) if written.endswith(text[:k]))
+        rest = encode(self.tokenizer, text[k:])
+        self.plan = {self.step: rest[0]} if rest else {}
+        return super().forward(input_ids, **kwargs)
+
+
+def writing(loaded: LoadedModel, *pieces: str) -> LoadedModel:
+    """A LoadedModel whose model writes `pieces`, one after each tool output (WritingModel)."""
+    return dataclasses.replace(loaded, model=WritingModel(loaded.model, loaded.tokenizer, pieces),
+                               lock=threading.RLock())
+
+
 def forced(loaded: LoadedModel, plan: dict[int, int] | None = None, eos_ids: frozenset[int] | None = None) -> LoadedModel:
     """A LoadedModel whose model is a ForcedModel over `loaded`'s (same tokenizer, fresh lock)."""
     return dataclasses.replace(loaded, model=ForcedModel(loaded.model, plan),

@@ -287,14 +287,14 @@ def test_compare_batch_and_ask_wait_while_running_jobs_hold_the_kv_budget(tiny_l
 
 
 def test_warm_up_runs_a_turn_before_the_first_visitor(tiny_llama):
-    """Regression (load test on a new server): the first visitor's turn built the answer line's token table
-    (49,152 decodes) and ran the kernels and tools for the first time (first text 0.47 s, later turns 0.06 s).
+    """Regression (load test on a new server): the first visitor's turn built the guide's view of the tokenizer
+    (then 49,152 decodes) and ran the kernels and tools for the first time (first text 0.47 s, later turns 0.06 s).
     warm_up runs a turn of its own, on a session the store never sees."""
     loaded = forced(tiny_llama)
     service = ChatService(loader=lambda: loaded, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    assert "answer_grammar" not in loaded.__dict__
+    assert "guide_vocab" not in loaded.__dict__
     service.warm_up()
-    assert "answer_grammar" in loaded.__dict__ and len(service.store) == 0
+    assert "guide_vocab" in loaded.__dict__ and len(service.store) == 0
 
 
 def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokenizer):
@@ -310,7 +310,7 @@ def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokeni
     short = wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-1024")
     service = ChatService(loader=lambda: short, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     service.warm_up()  # (raised InputError: max_length must be between 1 and 1024)
-    assert "answer_grammar" in short.__dict__
+    assert "guide_vocab" in short.__dict__
 
 
 def make_service(tiny_llama, plan=None, eos_ids=None):

@@ -12,7 +12,7 @@ from app.protocol import encode
 from app.tools.registry import Tool, ToolError, default_tools, get_tools
 from app.tools.search import Hit, set_backend
 from components.chat import episode_messages as messages_of, escape_text
-from tests.conftest import forced, plan_text, prime
+from tests.conftest import forced, plan_text, prime, writing
 
 PROMPT = "Answer with tools.\n{tools}\n\n"
 
@@ -37,7 +37,7 @@ def tool_episode(tiny_llama, tokenizer, call: str, **settings):
     plan = plan_text(tokenizer, (0, call), (len(encode(tokenizer, call)), "\nResult = ok<submit>"))
     engine = Engine(forced(tiny_llama, plan), tools=TOOLS, prompt=PROMPT)
     session = prime(engine)
-    episode = engine.ask(session, "go", Settings(max_new_tokens=40, **settings))
+    episode = engine.ask(session, "go", Settings(max_new_tokens=40, **{"guide": False, **settings}))
     session.cache.check()
     return session, episode
 
@@ -56,12 +56,7 @@ def test_tool_failures_are_results_the_model_reads(tiny_llama, tokenizer, call, 
     model1, tool, model2 = episode.segments
     assert tool.kind == "tool" and not tool.ok and tool.text.startswith(expected)
     assert tool.text.endswith("<response>")
-    # the episode went on after the failure: a well-formed call's error, which the answer quotes (app.answer_line) ...
-    error = tool.text.removesuffix("<response>")
-    if error.startswith("error: ") and call.startswith("<request><"):
-        assert model2.text.startswith("\nResult = " + error[:24])
-    else:  # ... or the plan's answer (no call to quote, or "unknown tool")
-        assert model2.stop.string == "<submit>"
+    assert model2.stop.string == "<submit>"  # the episode went on after the failure
 
 
 def test_tool_output_is_clipped_to_max_tool_response(tiny_llama, tokenizer):
@@ -85,7 +80,7 @@ def test_max_turns_limits_tool_calls(tiny_llama, tokenizer):
     n = len(encode(tokenizer, call))
     plan = plan_text(tokenizer, (0, call), (n, call), (2 * n, call))
     engine = Engine(forced(tiny_llama, plan), tools=TOOLS, prompt=PROMPT)
-    episode = engine.ask(prime(engine), "go", Settings(max_new_tokens=40, max_turns=2))
+    episode = engine.ask(prime(engine), "go", Settings(max_new_tokens=40, max_turns=2, guide=False))
     assert [s.kind for s in episode.segments] == ["model", "tool", "model", "tool", "model"]
     assert episode.stop.string == "<call>"  # the third call is not run
     assert episode.unrun_call and episode.to_json()["unrun_call"] == Episode.UNRUN_NOTE
@@ -144,7 +139,7 @@ def test_stop_while_the_call_is_written_runs_no_tool(tiny_llama, tokenizer):
     loaded.model.forward = forward_then_stop
     engine = Engine(loaded, prompt=PROMPT)
     session = prime(engine)
-    episode = engine.ask(session, "go", Settings(max_new_tokens=40), cancel)
+    episode = engine.ask(session, "go", Settings(max_new_tokens=40, guide=False), cancel)
     assert [(s.kind, s.stop.label) for s in episode.segments] == [("model", "string match <call>"),
                                                                   ("model", "stopped by user")]
     assert episode.segments[1].generated_tokens == 0 and "5<response>" not in episode.answer
@@ -202,8 +197,7 @@ def test_a_sum_is_left_to_the_model_where_no_tool_claims_it_or_no_call_may_run(t
     search, every = {"Search": default_tools()["Search"]}, default_tools()
     for tools, question, turns in ((search, "What is 2 + 2 * 3?", 4), (every, "What is 10 percent of 50?", 4),
                                    (every, "What is 2 + 2 * 3?", 0)):
-        engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "Result = 4<submit>"))), tools=tools,
-                        prompt=PROMPT)
+        engine = Engine(writing(tiny_llama, "Result = 4<submit>"), tools=tools, prompt=PROMPT)
         settings = Settings(max_new_tokens=24, max_turns=turns)
         assert engine.claimed_call(question, settings) is None
         episode = engine.ask(prime(engine), question, settings)

@@ -308,8 +308,8 @@ def format_hits(hits: list[Hit], max_chars: int = MAX_OUTPUT_CHARS) -> str:
 
 def first_entry(output: str) -> str:
     """What an answer copies from the tool's output: its first line, the best entry and its definition. (A
-    small model copies a whole line far more reliably than a part of one.)"""
-    return output.split("\n", 1)[0]
+    small model copies a whole line far more reliably than a part of one.) Nothing after "no results"."""
+    return "" if output.startswith(NO_RESULTS) else output.split("\n", 1)[0]
 
 
 def is_arithmetic(query: str) -> bool:

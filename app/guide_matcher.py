@@ -1,0 +1,100 @@
+"""A segment's guide (app.guide) applied to one tokenizer's tokens, by llguidance: the tokens the grammar allows
+next, the tokens it forces (the next text is fixed), and who chose each token.
+
+The mask is a bitmask llguidance fills (~10 us for a 49,152-token vocabulary); it is applied as a boolean index
+(llguidance's own torch helper is `torch.compile`d).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+import torch
+
+from app.episode import Provenance
+
+
+class GuideError(ValueError):
+    """A grammar the guide cannot use (a bug in the builder or a custom grammar): a clear message, no traceback."""
+
+
+class GuideVocab:
+    """llguidance's view of one tokenizer, built once per model (~0.7 s)."""
+
+    def __init__(self, tokenizer, eos_ids: Iterable[int]):
+        self.size = len(tokenizer)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.size, eos_token=sorted(eos_ids))
+
+    def matcher(self, grammar: str) -> "GuideMatcher":
+        return GuideMatcher(self, grammar)
+
+    def check(self, grammar: str) -> None:
+        """Raise GuideError where llguidance rejects the grammar."""
+        self.matcher(grammar)
+
+
+class GuideMatcher:
+    """One segment's grammar state: fed every token of the segment in order."""
+
+    def __init__(self, vocab: GuideVocab, grammar: str):
+        self._vocab = vocab
+        try:
+            lark = llguidance.grammar_from("gbnf", grammar)
+        except ValueError as error:  # (a GBNF text that does not parse)
+            raise GuideError(f"guide: the grammar does not parse: {error}") from None
+        self._matcher = llguidance.LLMatcher(vocab.tokenizer, lark, log_level=0)
+        self._raise_on_error("the guide's grammar")
+        self._bits = llguidance.numpy.allocate_token_bitmask(1, vocab.size)
+
+    def allowed(self) -> np.ndarray:
+        """A boolean array over the vocabulary: the tokens the grammar allows next."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bits, 0)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab.size].view(bool)
+
+    def mask(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """One position's logits with the tokens the grammar bans at -inf, and whether the model's first choice
+        was banned (the choice made from them is then steered)."""
+        allowed = torch.from_numpy(self.allowed())
+        out = logits.clone()
+        out[: allowed.shape[0]][~allowed] = float("-inf")
+        out[allowed.shape[0]:] = float("-inf")
+        top = int(logits.detach().float().numpy().argmax())
+        return out, not (top < allowed.shape[0] and bool(allowed[top]))
+
+    def consume(self, tokens: list[int]) -> None:
+        """The segment took these tokens (each allowed by the grammar)."""
+        if tokens:
+            self._matcher.consume_tokens(tokens)
+            self._raise_on_error(f"tokens {tokens}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: it takes no more tokens."""
+        return self._matcher.is_stopped()
+
+    def forced(self) -> list[int]:
+        """The tokens of the text the grammar fixes next (none where the model has a choice)."""
+        return self._matcher.compute_ff_tokens()
+
+    def is_forced(self) -> bool:
+        """Whether the grammar fixes the next text (a token taken now is the guide's, whichever spells it)."""
+        return bool(self._matcher.compute_ff_bytes())
+
+    def _raise_on_error(self, what: str) -> None:
+        if self._matcher.is_error():
+            raise GuideError(f"guide: {what}: {self._matcher.get_error()}")
+
+
+def replay(vocab: GuideVocab, grammar: str, tokens: list[int]) -> list[Provenance]:
+    """Who chose each of a model server's tokens, by the same grammar: forced where the grammar fixed the next
+    text, else the model's (a server does not say whether it steered). GuideError where a token breaks the
+    grammar: the server did not apply it."""
+    matcher, out = vocab.matcher(grammar), []
+    for token in tokens:
+        out.append(Provenance.FORCED if matcher.is_forced() else Provenance.MODEL)
+        matcher.consume([token])
+    return out
