@@ -231,7 +231,8 @@ class Engine:
             output = output[: output.rfind(RESPONSE)] if RESPONSE in output else output
             tool = find_tool(self.tools, after.ran or after.tool or "")
             owed = owed_text(output, after.ok, tool.answer if tool is not None and after.ok else str)
-        return build_guide(self.tools, owed, calls=calls, after_tool=after is not None)
+        limits = {name: tool.max_query for name, tool in self.tools.items()}
+        return build_guide(limits, owed, calls=calls, after_tool=after is not None)
 
     def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:
         """The call a question's reply is, written by the engine, where one of the session's tools claims it

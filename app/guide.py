@@ -4,7 +4,8 @@ The guide of a segment says what the model may write there, in GBNF (the format 
 structured outputs and llguidance all accept), built from the protocol's markers, the session's tools and the
 last tool output:
 - a reply is the answer line (`Result = ...`, one line, ended by `<submit>` or EOS) or one tool call
-  (`<request><Tool>input<call>`, the input one line, the tool one of the session's);
+  (`<request><Tool>input<call>`, the tool one of the session's, the input one line of at most the tool's
+  `max_query` characters: where the model ends that line, or reaches the bound, `<call>` follows);
 - after a tool's output the answer line begins with what the prompt's examples copy from it (the Calculator's
   number, with no more digits after it; a look-up's first entry; a failed call's error);
 - a question a tool claims (`Tool.claims`) opens with that call, written by the engine (`opening`).
@@ -14,7 +15,7 @@ Every token the guide decides is recorded as such (app.episode.Provenance) and s
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.protocol import ANSWER_PREFIX, CALL, REQUEST, SUBMIT
@@ -54,16 +55,15 @@ def literal(text: str) -> str:
 # Free text on a line: no newline and no tag (a `<` only before a space, a digit or `=`: "3 < 5", "x <= 2").
 # Named rules of character classes, which grammar engines compile into fast lexemes.
 _RULES = f"""text ::= ([^\\n<] | "<" [ 0-9=])*
-input ::= [^\\n<]+
 end ::= {literal(SUBMIT)}?"""
 
 
-def build_guide(tools: Iterable[str], owed: str | None = None, calls: bool = True,
+def build_guide(tools: Mapping[str, int], owed: str | None = None, calls: bool = True,
                 after_tool: bool = False, opening: str = "") -> Guide:
-    """The guide of one model segment. `tools`: the session's tool names; `owed`: the tool output the answer line
-    begins with (after a tool); `calls`: whether another call may run (max_turns); `after_tool`: the segment
-    follows a tool's `<response>` (its reply may start on a new line)."""
-    names = [name for name in tools] if calls else []
+    """The guide of one model segment. `tools`: the session's tool names and the longest input each takes;
+    `owed`: the tool output the answer line begins with (after a tool); `calls`: whether another call may run
+    (max_turns); `after_tool`: the segment follows a tool's `<response>` (its reply may start on a new line)."""
+    names = list(tools) if calls else []
     replies = ["answer"] + (["call"] if names else [])
     lines = [f"root ::= {literal(chr(10)) + '? ' if after_tool else ''}({' | '.join(replies)})"]
     if owed is None:
@@ -73,9 +73,10 @@ def build_guide(tools: Iterable[str], owed: str | None = None, calls: bool = Tru
         lines.append('after ::= end | [^0-9.,eE\\n<] text end | [.,] [^0-9\\n<] text end')
     else:
         lines.append(f"answer ::= {literal(ANSWER_PREFIX + ' ' + owed)} text end")
-    if names:
-        tool = " | ".join(literal(name) for name in names)
-        lines.append(f"call ::= {literal(REQUEST + '<')} ({tool}) {literal('>')} input {literal(CALL)}")
+    if names:  # (a newline the model writes in the input ends it: `<call>` follows)
+        calls_ = " | ".join(f"{literal(REQUEST + '<' + name + '>')} input{i}" for i, name in enumerate(names))
+        lines.append(f"call ::= ({calls_}) {literal(chr(10))}? {literal(CALL)}")
+        lines += [f"input{i} ::= [^\\n<]{{1,{max(1, tools[name])}}}" for i, name in enumerate(names)]
     return Guide("\n".join(lines) + "\n" + _RULES + "\n", opening)
 
 

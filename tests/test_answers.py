@@ -116,8 +116,9 @@ def test_a_call_the_model_would_loop_in_ends_and_the_turn_answers(engine, questi
     it. Now the call ends, its tool runs, and the turn answers (what it answers is the model's and the index's)."""
     episode = engine.ask(engine.new_session(), question, PAGE)
     assert [s.kind for s in episode.segments] == ["model", "tool", "model"]
-    call = episode.segments[0]  # (ended by `<call>`, or by `<response>`, which the engine reads as one)
-    assert "\n" not in call.text and call.stop.string in ("<call>", RESPONSE)
+    call, tool = episode.segments[:2]  # (ended by `<call>`: the guide writes it where the line or its bound ends)
+    assert call.stop.string == "<call>" and "\n" not in tool.query
+    assert "\n" not in call.text.removesuffix("<call>").rstrip("\n")
     assert episode.stop.string == SUBMIT and episode.answer.startswith("Result = ")
 
 

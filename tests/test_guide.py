@@ -14,7 +14,7 @@ from app.tools.registry import default_tools
 from tests.conftest import prime, writing
 
 PROMPT = "Answer with tools.\n{tools}\n\n"
-TOOLS = ("Calculator", "Search")
+TOOLS = {"Calculator": 200, "Search": 32}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ GUIDES = {
     "after a number": build_guide(TOOLS, owed="-24", after_tool=True),
     "after a look-up": build_guide(TOOLS, owed='grok: To "understand". \\o/ ½', after_tool=True),
     "after an error": build_guide(TOOLS, owed="error: division by zero", after_tool=True),
-    "no tools": build_guide(()),
+    "no tools": build_guide({}),
 }
 
 
@@ -48,6 +48,10 @@ GUIDES = {
     ("after a question", "<request><Search>grok<call>", True),
     ("after a question", "<request><Weather>Paris<call>", False),  # not a session tool
     ("after a question", "<request><Search>two\nlines<call>", False),
+    ("after a question", "<request><Search>a line\n<call>", True),  # (where the model ends the line, the call ends)
+    ("after a question", "<request><Search>" + "x" * 32 + "<call>", True),
+    ("after a question", "<request><Search>" + "x" * 33 + "<call>", False),
+    ("after a question", "<request><Calculator>" + "1+" * 99 + "1<call>", True),
     ("after a question", "Q: What is next?", False),
     ("after a question", "Result = one\nQ: next", False),
     ("after a question", "Result = done<response>", False),

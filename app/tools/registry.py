@@ -54,6 +54,7 @@ class Tool:
     # the query this tool takes from a question it answers whatever the model would write (the Calculator: a sum
     # written in symbols); None where the model decides
     claims: Callable[[str], str | None] | None = None
+    max_query: int = 200  # the longest input a guided call writes (app.guide): where it is reached, the call ends
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ class ToolResult:
 def default_tools() -> dict[str, Tool]:
     """All built-in tools by name, as a fresh dict on every call."""
     from app.tools.calculator import calculate, sum_in
-    from app.tools.search import first_entry, search_tool, term_in
+    from app.tools.search import GUIDED_QUERY_CHARS, first_entry, search_tool, term_in
 
     tools = [
         Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate,
              ability="a calculator", action="calculate", claims=sum_in),
         Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry,
-             ability="the Jargon File", action="look up", claims=term_in),
+             ability="the Jargon File", action="look up", claims=term_in, max_query=GUIDED_QUERY_CHARS),
     ]
     return {tool.name: tool for tool in tools}
 

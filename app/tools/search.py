@@ -49,6 +49,10 @@ CLOSEST = 0.7  # difflib ratio for "did you mean": skewernet -> sneakernet 0.74;
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
+# A guided look-up's query is at most this long: longer than 99 % of the 2,307 headwords (26 characters), and
+# shorter than a loop the repetition stop catches, so a query the model writes over and over ("jargon_file_
+# jargon_file_...") ends as a call that runs
+GUIDED_QUERY_CHARS = 32
 NO_RESULTS = "no results for"  # the output where nothing matched: `no results for "query"`
 _NUMBER_ALONE = re.compile(r"[-+]?[\d.,]+")  # a look-up even where the Calculator reads it: "404"
 
