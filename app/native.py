@@ -3,7 +3,7 @@
 Why C: at decode a step is hundreds of tiny operations (a token's activations are a few hundred floats), and
 each torch call costs microseconds of dispatch for almost no arithmetic; one C call does such a piece whole.
 Each caller keeps a torch version of what it calls (tests compare the two), so a machine without a compiler, or
-whose build fails, runs the same model in torch. ctypes releases the GIL during a call, like torch's kernels.
+whose build fails (logged as an error, with the compiler's message), runs the same model in torch. ctypes releases the GIL during a call, like torch's kernels.
 TEXTENV_NATIVE=0 turns C off.
 """
 
@@ -56,9 +56,16 @@ SIGNATURES = {  # name: (argument types, result type), as the .c files declare t
 }
 
 
+_failures: list[str] = []  # why the last library() call's build failed, where a compiler is present
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The C functions, built on first use (None where they cannot be: callers then run their torch versions)."""
+    """The C functions, built on first use (None where they cannot be: callers then run their torch versions).
+
+    A build that fails where a compiler is present is an error, logged with the compiler's message (build_error
+    gives it: the C tests fail on it, CI with them); the app still answers, in torch."""
+    _failures.clear()
     if os.environ.get("TEXTENV_NATIVE", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -72,13 +79,34 @@ def library() -> ctypes.CDLL | None:
         import torch  # noqa: F401  (loaded first, so the library's libgomp.so.1 is torch's: OPENMP)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
-        log.warning("could not build the C functions (%s%s): the per-token work runs in torch", error,
-                    f": {error.stderr.strip()}" if getattr(error, "stderr", None) else "")
+        _failures.append(f"could not build the C functions with {compiler}: {_describe(error)}")
+        log.error("%s\nThe per-token work runs in torch instead (the same model, slower).", _failures[-1])
         return None
     for name, (arguments, result) in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = arguments, result
     return lib
+
+
+def build_error() -> str | None:
+    """Why the C functions did not build where a compiler is present, with the compiler's message; None where
+    they built, where TEXTENV_NATIVE=0 turns them off and where there is no compiler."""
+    library()
+    return _failures[-1] if _failures else None
+
+
+def _describe(error: BaseException) -> str:
+    """A failed build step as the compiler reported it: the command's status and everything it wrote."""
+    if isinstance(error, subprocess.CalledProcessError):
+        said = "\n".join(part.strip() for part in (error.stdout, error.stderr) if part and part.strip())
+        return f"`{' '.join(map(str, error.cmd))}` exited with status {error.returncode}" + (
+            f":\n{said[-MESSAGE_CHARS:]}" if said else " and wrote nothing")
+    if isinstance(error, subprocess.TimeoutExpired):
+        return f"`{' '.join(map(str, error.cmd))}` did not finish within {error.timeout:g} s"
+    return str(error)
+
+
+MESSAGE_CHARS = 4000  # the end of a compiler's message that the log and build_error keep (its errors come last)
 
 
 def _build_key(compiler: str) -> str:

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
-exec ${PYTHON:-python3} -m pytest -q "$@"
+exec ${PYTHON:-python3} -m pytest -q -rfEs "$@"  # -rfEs: failures, errors and each skip with its reason (a missing CPU feature)

@@ -14,8 +14,12 @@ from app import native
 from app.attend_rows import BATCH_TOKENS, Batch, available, batched
 from app.kvcache import new_kv
 from app.ragged import _attend, causal_mask
+from tests.native_support import AVX512, c_library, needs
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here (PyTorch's kernel runs)")
+
+@pytest.fixture(autouse=True)
+def _built():
+    c_library()  # a failed C build fails these tests, with the compiler's message
 
 
 @dataclass
@@ -91,8 +95,7 @@ CASES = [
 ]
 
 
-needs_fast = pytest.mark.skipif(not (native.library() and available(_config(9, 3, 64))),
-                                reason="no AVX-512 build here (every row takes PyTorch's kernels)")
+needs_fast = needs(AVX512)  # attend_rows.c's fast path is AVX-512 code (test_which_models_attend_here: it is built)
 
 
 @needs_fast

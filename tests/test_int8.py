@@ -14,6 +14,7 @@ from app.int8_rows import (ACT_MAX, FINE, QMAX, combine_rows, combine_rows_torch
 from app.kvcache import new_kv
 from app.model import LoadedModel, load_model, weight_format, wrap
 from app.ragged import Row, ragged_forward
+from tests.native_support import c_library
 
 
 @pytest.mark.parametrize("rows,inputs,outputs,bias", [(1, 576, 1536, False), (5, 32, 64, True), (3, 7, 3, True),
@@ -50,21 +51,22 @@ def test_a_row_of_int8_linear_does_not_depend_on_its_batch():
         assert torch.equal(layer(rows[i:i + 1]), together[i:i + 1])  # bitwise: integer products are exact
 
 
-KERNELS = [pytest.param(True, id="fbgemm", marks=pytest.mark.skipif(not fbgemm_int8(), reason="no fbgemm")),
-           pytest.param(False, id="float32")]
+NO_FBGEMM = "needs torch's fbgemm engine (x86 builds): not in torch.backends.quantized.supported_engines"
+FBGEMM = pytest.mark.skipif(not fbgemm_int8(), reason=NO_FBGEMM)
+# (kernel, inner size): float32 sums are exact up to EXACT_SPAN products only, so it is not asked beyond
+KERNEL_SIZES = [pytest.param(True, inner, id=f"fbgemm-{inner}", marks=FBGEMM)
+                for inner in (1, 64, 576, 1536, EXACT_SPAN, 4096)] + [
+               pytest.param(False, inner, id=f"float32-{inner}") for inner in (1, 64, 576, 1536, EXACT_SPAN)]
 
 
-@pytest.mark.parametrize("inner", [1, 64, 576, 1536, EXACT_SPAN, 4096])
+@pytest.mark.parametrize("fbgemm,inner", KERNEL_SIZES)
 @pytest.mark.parametrize("values", ["random", "extreme"])
-@pytest.mark.parametrize("fbgemm", KERNELS)
 @pytest.mark.parametrize("rows", [1, 37, 80])
 def test_the_exact_kernel_gives_int_mm_bits(inner, values, fbgemm, rows):
     """The kernel for CPUs without fast int8 matmuls is the same function, bit for bit, in fbgemm and in float32
     (up to EXACT_SPAN), for few and many rows (each kernel takes other paths for them). "extreme" puts every sum
     at its largest (63 * 127 * inner), and every pair of products at the 16-bit edge where an 8-bit activation
     would saturate fbgemm's kernel (the parts reach it as unsigned bytes v + 64), and rows of equal parts."""
-    if not fbgemm and inner > EXACT_SPAN:
-        pytest.skip("float32 sums are exact up to EXACT_SPAN products")
     gen = torch.Generator().manual_seed(inner)
     if values == "random":
         parts = torch.randint(-ACT_MAX, ACT_MAX + 1, (rows, inner), generator=gen, dtype=torch.int8)
@@ -123,7 +125,12 @@ def test_split_rows_rounds_as_torch_round(rows):
     assert torch.equal(split_rows_float(x)[0], torch.cat([high, low]))
 
 
-needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler here (torch runs instead)")
+@pytest.fixture
+def built():
+    c_library()  # a failed C build fails the tests of the C functions, with the compiler's message
+
+
+needs_native = pytest.mark.usefixtures("built")
 
 
 def _activations(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -175,17 +182,42 @@ def test_without_c_the_torch_version_runs(monkeypatch):
 
 
 def test_a_failed_c_build_leaves_torch_running(monkeypatch, tmp_path, caplog):
-    """A compiler that fails is logged and the torch version runs: a Space without a working toolchain still
-    answers."""
-    monkeypatch.setenv("TEXTENV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
+    """A compiler that fails is an error, logged with what the compiler said (and build_error gives it: the C
+    tests fail on it), and the torch version runs: a Space without a working toolchain still answers. The
+    "compiler" here reports a syntax error as gcc would, and fails."""
+    fake = tmp_path / "fake-cc"
+    fake.write_text("#!/bin/sh\necho \"int8_mm.c:12:3: error: expected ';' before '}' token\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TEXTENV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
     native.library.cache_clear()
     try:
-        assert native.library() is None
-        assert "could not build the C functions" in caplog.text and not list(tmp_path.glob("native-*"))
+        with caplog.at_level("INFO", logger="app.native"):
+            assert native.library() is None
+        (error,) = [r for r in caplog.records if r.name == "app.native" and r.levelname == "ERROR"]
+        message = native.build_error()
+        assert message.startswith(f"could not build the C functions with {fake}: `{fake} -O3")
+        assert "exited with status 1:\nint8_mm.c:12:3: error: expected ';' before '}' token" in message
+        assert message in error.getMessage() and "runs in torch" in error.getMessage()
+        assert not list((tmp_path / "cache").glob("native-*"))
+        x = _activations(4, 64, 4)
+        assert torch.equal(split_rows_float(x)[0], split_rows_torch(x)[0])  # (the torch version runs)
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
+    assert native.build_error() is None  # (built again: the failure was that compiler's)
+
+
+def test_no_compiler_and_c_turned_off_are_no_build_errors(monkeypatch):
+    """build_error reports builds that failed; without a compiler, or with TEXTENV_NATIVE=0, none was tried."""
+    for name, value in (("CC", "no-such-compiler-here"), ("TEXTENV_NATIVE", "0")):
+        monkeypatch.setenv(name, value)
+        native.library.cache_clear()
+        try:
+            assert native.library() is None and native.build_error() is None
+        finally:
+            monkeypatch.undo()
+            native.library.cache_clear()
 
 
 def test_an_unwritable_cache_folder_leaves_torch_running(monkeypatch, tmp_path, caplog):
@@ -307,11 +339,13 @@ def test_the_int8_probe_times_both_matmuls_once():
     assert int8_matmul_is_fast.cache_info().hits == 1
 
 
-def test_int8_covers_llama_family_models_only(tiny):
-    if tiny.model.config.model_type == "llama":
-        pytest.skip("the llama case is above")
+def test_int8_covers_llama_family_models_only(tokenizer):
+    from tests.conftest import _tiny
+
+    gpt2 = _tiny("gpt2", tokenizer)  # (the llama case: every int8 test above)
+    assert gpt2.model.config.model_type == "gpt2"
     with pytest.raises(ValueError, match="Llama-family"):
-        to_int8(tiny.model)
+        to_int8(gpt2.model)
 
 
 @pytest.mark.parametrize("value,expected", [("", "int8"), ("int8", "int8"), ("FLOAT32", "float32"),

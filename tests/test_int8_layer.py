@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from app import attend_rows, int8_layer, int8_mm, native, ragged
+from app import attend_rows, int8_layer, native, ragged
 from app.int8 import PACKED_FEW_TOKENS, Int8Linear
 from app.int8_layer import fused_layers
 from app.int8_rows import ACT_MAX, FINE, combine_rows_torch
@@ -17,9 +17,13 @@ from app.kvcache import new_kv
 from app.model import LoadedModel, wrap
 from app.ragged import Row, ragged_forward
 from tests.conftest import logit_tolerance
+from tests.native_support import AVX512, VNNI, c_library, needs, needs_amx
 from tests.test_int8 import _int8_tiny, real_int8
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here (torch layers run instead)")
+
+@pytest.fixture(autouse=True)
+def _built():
+    c_library()  # a failed C build fails these tests, with the compiler's message
 
 
 def _rows(n: int, width: int, seed: int) -> torch.Tensor:
@@ -180,9 +184,12 @@ def test_partial_rotary_models_run_the_torch_layers(tiny_llama):
     assert fused_layers(model) is None
 
 
-@pytest.mark.skipif(not int8_mm.available(), reason="no AVX-512 VNNI build on this CPU")
-@pytest.mark.parametrize("which", ["tiny_llama", "real"])
-@pytest.mark.parametrize("last", [4, 40])
+@needs(VNNI)
+@pytest.mark.parametrize("which,last", [
+    ("tiny_llama", 4), ("real", 4),
+    # 40 tokens take the packed kernel only on the tiles, for inner sizes on their 64 values (the real model's;
+    # the tiny llama's 32 are not, so it never would)
+    pytest.param("real", 40, marks=needs_amx())])
 def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, last, request, monkeypatch):
     """qkv_packed and finish_packed (one C call each, matmuls on app.int8_mm) against the same pieces called one
     by one with _int_mm's sums: the same functions in the same order, so the same bits. A pass of 1 + 3 + 4
@@ -191,8 +198,8 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, last
     loaded = _int8_tiny(request.getfixturevalue(which)) if which == "tiny_llama" else real_int8(request)
     model = loaded.model
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    if last > PACKED_FEW_TOKENS and not all(m.packed_for(1 + 3 + last) for m in linears):
-        pytest.skip("this model takes the packed kernel for few tokens only here (no AMX, or its sizes)")
+    if last > PACKED_FEW_TOKENS:  # (AMX: any length)
+        assert all(m.packed_for(1 + 3 + last) for m in linears)
     packed_at_load = [m.packed for m in linears]  # (True where the model was loaded with C on: set here anyway)
     ids = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(8)).tolist()
     prefix = new_kv(model.config)
@@ -240,6 +247,7 @@ def _int8_heads64(tokenizer) -> LoadedModel:
     return wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-64-int8", weights="int8")
 
 
+@needs(AVX512)  # the rows attend in app/attend_rows.c, whose fast path is AVX-512 code
 @pytest.mark.parametrize("which", ["tiny64", "real"])
 def test_every_layer_in_one_call_gives_the_bits_of_the_calls_layer_by_layer(which, request, monkeypatch):
     """forward_layers (FusedInt8Layers.whole_pass): a pass whose rows all attend in app/attend_rows.c runs every
@@ -249,8 +257,7 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_calls_layer_by_layer(whic
     whatever the tokens; layer by layer those 41 take `_int_mm` where the packed kernel is for few: no AMX)."""
     loaded = _int8_heads64(request.getfixturevalue("tokenizer")) if which == "tiny64" else real_int8(request)
     model = loaded.model
-    if not attend_rows.available(model.config):
-        pytest.skip("no AVX-512 attention here: every pass goes layer by layer")
+    assert attend_rows.available(model.config)
     ids = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(9)).tolist()
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     real, taken = int8_layer.FusedInt8Layers.whole_pass, []

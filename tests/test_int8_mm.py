@@ -10,10 +10,22 @@ from app import int8_mm
 from app.int8 import Int8Linear, to_int8
 from app.int8_mm import PackedWeight
 from app.int8_rows import QMAX
+from tests.native_support import AMX, VNNI, amx_off, c_library, missing, needs, needs_amx
 
-needs_vnni = pytest.mark.skipif(not int8_mm.available(), reason="no AVX-512 VNNI build on this CPU")
+needs_vnni = needs(VNNI)
 LIKE_SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536)
-needs_amx = pytest.mark.skipif(not int8_mm.any_tokens(LIKE_SMOLLM2), reason="no AMX on this CPU (or not allowed)")
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    c_library()  # a failed C build fails these tests, with the compiler's message
+
+
+def test_the_library_has_the_vnni_kernel_where_the_cpu_has_vnni():
+    """Runs on every CPU: the library (built with -march=native) has the packed kernel exactly where the CPU
+    has AVX-512 VNNI, and the tile unit where it has AMX too (unless TEXTENV_AMX=0 keeps the tiles off)."""
+    assert int8_mm.available() is (missing(VNNI) is None)
+    assert int8_mm.any_tokens(LIKE_SMOLLM2) is (missing(VNNI, AMX) is None and amx_off() is None)
 
 
 def _sums(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -105,7 +117,7 @@ def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tin
     assert all(m.packed and m.exact is None and m.few == few for m in layers)
 
 
-@needs_amx
+@needs_amx()
 def test_with_amx_inputs_of_any_length_take_the_packed_kernel():
     """The tile unit makes long inputs (a prefill of 8 questions: 104 tokens) fast too, where the VNNI loop alone
     lost to _int_mm beyond 16 tokens; an inner size off its 64-value tiles keeps the limit."""
@@ -115,7 +127,7 @@ def test_with_amx_inputs_of_any_length_take_the_packed_kernel():
     assert _kernels(SimpleNamespace(hidden_size=576, intermediate_size=1000)) == (False, PACKED_FEW_TOKENS, True)
 
 
-@needs_amx
+@needs_amx()
 def test_amx_can_be_turned_off():
     """TEXTENV_AMX=0 (a host whose tiles misbehave): long inputs back on the VNNI loop, the same sums. In a process
     of its own: the library asks for the tiles once per process."""
@@ -133,7 +145,7 @@ def test_amx_can_be_turned_off():
     subprocess.run([sys.executable, "-c", check], check=True, env=env, timeout=120)
 
 
-@needs_amx
+@needs_amx()
 @pytest.mark.parametrize("out,inner", [(100, 576), (49152, 576), (64, 1536)])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 9, 24, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
