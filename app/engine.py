@@ -13,11 +13,11 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import replace
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, closing
+from dataclasses import replace
 from itertools import count
 from typing import Generator
 
@@ -27,8 +27,8 @@ from transformers import DynamicCache
 from app.backend import Backend, SegmentRun
 from app.decoding import Holdback, Limit, Stop, StopReason, tokens_before
 from app.episode import (Episode, EpisodeFinished, Event, Provenance, Segment, SegmentFinished,  # noqa: F401
-                         SegmentStarted, Span, TextDelta)
-from app.guide import Guide, build_guide, claimed_guide, owed_text
+                         SegmentStarted, Span, TextDelta, in_row_order)
+from app.guide import Guide, segment_guide
 from app.kvcache import TokenCache, kv_nbytes
 from app.local_backend import LocalBackend
 from app.model import LoadedModel
@@ -37,7 +37,7 @@ from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, T
                           neutralize, parse_tool_call)
 from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
                           require_utf8)
-from app.tools.registry import Tool, default_tools, find_tool, run_tool
+from app.tools.registry import Tool, default_tools, run_tool
 
 log = logging.getLogger(__name__)
 
@@ -219,20 +219,8 @@ class Engine:
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
     def guide(self, settings: Settings, claimed: str | None, after: Segment | None, calls: bool) -> Guide | None:
-        """A model segment's guide (None with the guide off): the claimed call, else the grammar of a reply after
-        the question or after `after`, a tool segment; `calls`: whether another call may run (max_turns)."""
-        if not settings.guide:
-            return None
-        if claimed is not None:
-            return claimed_guide(claimed)
-        owed = None
-        if after is not None:
-            output = after.text.removeprefix(CALL)  # (the engine's own <call>, where it closed the request)
-            output = output[: output.rfind(RESPONSE)] if RESPONSE in output else output
-            tool = find_tool(self.tools, after.ran or after.tool or "")
-            owed = owed_text(output, after.ok, tool.answer if tool is not None and after.ok else str)
-        limits = {name: tool.max_query for name, tool in self.tools.items()}
-        return build_guide(limits, owed, calls=calls, after_tool=after is not None)
+        """A model segment's guide, None with the guide off (app.guide.segment_guide)."""
+        return segment_guide(self.tools, claimed, after, calls) if settings.guide else None
 
     def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:
         """The call a question's reply is, written by the engine, where one of the session's tools claims it
@@ -402,26 +390,6 @@ class Engine:
             for row, episode in enumerate(episodes):
                 episode.reward = reward_fn(row, episode)
         return episodes
-
-
-def in_row_order(events: Iterator[Event]) -> Iterator[Event]:
-    """A batch's interleaved events as if its rows ran one after another: row 0's pass through at once, each
-    later row's wait until every row before it has finished."""
-    waiting: dict[int, list[Event]] = {}
-    finished: set[int] = set()
-    current = 0
-    for event in events:
-        if event.row != current:
-            waiting.setdefault(event.row, []).append(event)
-        else:
-            yield event
-        if isinstance(event, EpisodeFinished):
-            finished.add(event.row)
-        while current in finished:
-            current += 1
-            yield from waiting.pop(current, [])
-    for row in sorted(waiting):
-        yield from waiting[row]
 
 
 def _last_episode(events: Iterator[Event]) -> Episode:

@@ -6,7 +6,7 @@ Plain data, serialized the same way everywhere (the CLI's JSON, the API, the pag
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -207,6 +207,26 @@ class EpisodeFinished:
 
 
 Event = SegmentStarted | TextDelta | SegmentFinished | EpisodeFinished
+
+
+def in_row_order(events: Iterator[Event]) -> Iterator[Event]:
+    """A batch's interleaved events as if its rows ran one after another: row 0's pass through at once, each
+    later row's wait until every row before it has finished."""
+    waiting: dict[int, list[Event]] = {}
+    finished: set[int] = set()
+    current = 0
+    for event in events:
+        if event.row != current:
+            waiting.setdefault(event.row, []).append(event)
+        else:
+            yield event
+        if isinstance(event, EpisodeFinished):
+            finished.add(event.row)
+        while current in finished:
+            current += 1
+            yield from waiting.pop(current, [])
+    for row in sorted(waiting):
+        yield from waiting[row]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.protocol import ANSWER_PREFIX, CALL, REQUEST, SUBMIT
+from app.episode import Segment
+from app.protocol import ANSWER_PREFIX, CALL, REQUEST, RESPONSE, SUBMIT
+from app.tools.registry import Tool, find_tool
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the Calculator's output (app.tools.numbers.format_number)
 
@@ -91,3 +93,18 @@ def owed_text(output: str, ok: bool, answer) -> str | None:
     first line; None where there is nothing to copy."""
     line = (answer(output) if ok else output).split("\n", 1)[0].strip()
     return line or None
+
+
+def segment_guide(tools: Mapping[str, Tool], claimed: str | None, after: Segment | None, calls: bool) -> Guide:
+    """A model segment's guide: the claimed call, else the grammar of a reply after the question or after `after`,
+    a tool segment; `calls`: whether another call may run (max_turns)."""
+    if claimed is not None:
+        return claimed_guide(claimed)
+    owed = None
+    if after is not None:
+        output = after.text.removeprefix(CALL)  # (the engine's own <call>, where it closed the request)
+        output = output[: output.rfind(RESPONSE)] if RESPONSE in output else output
+        tool = find_tool(tools, after.ran or after.tool or "")
+        owed = owed_text(output, after.ok, tool.answer if tool is not None else str)
+    limits = {name: tool.max_query for name, tool in tools.items()}
+    return build_guide(limits, owed, calls=calls, after_tool=after is not None)

@@ -166,7 +166,7 @@ def test_a_closed_stream_stopped_before_its_next_pass_keeps_no_unverified_drafts
 
     question = "one two three four five six seven eight nine ten"
     plan = plan_text(tokenizer, (0, " " + question + " " + question))  # the model copies the question
-    settings = Settings(max_new_tokens=40, draft_tokens=8)
+    settings = Settings(max_new_tokens=40, draft_tokens=8, guide=False)
     monkeypatch.setattr(scheduler_module, "GATHER_S", 1.0)  # the next step waits for the other row a while
     loaded = forced(_tiny("llama", tokenizer), plan)
     engine = Engine(loaded, prompt="Answer.\n{tools}\n\n")
@@ -199,7 +199,7 @@ def test_a_stream_closed_after_its_request_was_stopped_keeps_no_unverified_draft
     engine = Engine(loaded, prompt="Answer.\n{tools}\n\n")
     monkeypatch.setattr(scheduler_module, "GATHER_S", 0.5)  # the next step waits for the other row a while
     session, cancel = prime(engine), threading.Event()
-    turn = engine.turn(session, question, Settings(max_new_tokens=40, draft_tokens=8), cancel)
+    turn = engine.turn(session, question, Settings(max_new_tokens=40, draft_tokens=8, guide=False), cancel)
     with loaded.scheduler.turn():  # another visitor's turn, between two of its passes
         for event in turn:
             if isinstance(event, TextDelta) and len(session.cache) - session.cache.cached > 1:  # drafts added
