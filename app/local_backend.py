@@ -107,8 +107,8 @@ class LocalBackend:
             chosen_by.append(Provenance.STEERED if steered else Provenance.MODEL)
             if guide is not None:
                 guide.consume([pick])
-            if i == len(drafts) or pick != drafts[i] or (guide is not None and guide.done):
-                break  # (a finished grammar takes no more tokens: the stop check ends the segment there)
+            if i == len(drafts) or pick != drafts[i] or (guide is not None and (guide.done or guide.is_forced())):
+                break  # (text the grammar fixes is the guide's, drafted or not: the next pass forces it)
         return tokens, chosen_by
 
 

@@ -24,7 +24,7 @@ def two_turns(loaded, tokenizer, use_cache: bool):
     plan = plan_text(tokenizer, (3, CALL), (first + 4, "<submit>"))  # free tokens between the forced ones
     engine = Engine(forced(loaded, plan), prompt=PROMPT)
     session = prime(engine)
-    settings = Settings(use_cache=use_cache, max_new_tokens=20)
+    settings = Settings(use_cache=use_cache, max_new_tokens=20, guide=False)
     episodes = [engine.ask(session, q, settings) for q in ("What is 12 times 7?", "And then?")]
     return engine, session, episodes
 

@@ -39,14 +39,17 @@ def test_drafts_give_the_same_tokens_as_plain_greedy(engine, use_cache):
         # (a segment's first pass carries drafts too, not counted as prefilled prompt: its prefilled and reused
         # tokens are those before it; an accepted draft may have fed the previous segment's last token already)
         for segment in (s for s in drafted.segments + plain.segments if s.kind == "model"):
-            assert segment.prefill_tokens + segment.cached_tokens == segment.start
+            ran = segment.generated_tokens > 0 or segment.forced_tokens < segment.end - segment.start
+            assert segment.prefill_tokens + segment.cached_tokens == (segment.start if ran else 0)  # (0: a claimed
+            # call the engine wrote, with no pass)
+        assert [s.provenance for s in drafted.segments] == [s.provenance for s in plain.segments]
         first = drafted.segments[0]
         assert (first.prefill_tokens, first.cached_tokens) == (plain.segments[0].prefill_tokens,
                                                                plain.segments[0].cached_tokens)
 
 
 def test_drafts_respect_max_new_tokens(engine):
-    episode = engine.ask(engine.new_session(), QUESTIONS[0], Settings(max_new_tokens=7, draft_tokens=8, max_turns=0))
+    episode = engine.ask(engine.new_session(), QUESTIONS[0], Settings(max_new_tokens=7, draft_tokens=8, max_turns=0, guide=False))
     (segment,) = episode.segments
     assert (segment.stop.reason, segment.stop.limit, segment.generated_tokens) == (
         StopReason.MAX_LENGTH, Limit.MAX_NEW_TOKENS, 7)

@@ -44,7 +44,8 @@ def test_streamed_text_never_splits_a_character(tiny_llama, tokenizer):
     text = "Result = 🎉 中文 ok 👍🏽<submit>"
     engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, text))), tools={}, prompt=PROMPT)
     session = prime(engine)
-    deltas = [e.text for e in engine.turn(session, "go", Settings(max_new_tokens=40)) if isinstance(e, TextDelta)]
+    deltas = [e.text for e in engine.turn(session, "go", Settings(max_new_tokens=40, guide=False))
+              if isinstance(e, TextDelta)]
     segment = session.episodes[-1].segments[0]
     assert "".join(deltas) == segment.text == text
     assert not any("\ufffd" in d for d in deltas) and len(deltas) > 1
