@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer questions (several run as one batch)")
     ask.add_argument("questions", nargs="+", metavar="QUESTION")
     ask.add_argument("--no-cache", action="store_true", help="recompute everything for every segment")
+    ask.add_argument("--guide", action=argparse.BooleanOptionalAction, default=Settings.guide,
+                     help="guided answers: a grammar per segment keeps it to the protocol and opens the answer with "
+                          "the tool's result; --no-guide lets the model write alone (default: on)")
     ask.add_argument("--max-length", type=int, default=Settings.max_length, help="token budget of the session")
     ask.add_argument("--max-new-tokens", type=int, default=Settings.max_new_tokens, help="tokens per segment")
     ask.add_argument("--max-turns", type=int, default=Settings.max_turns, help="tool calls per answer")
@@ -76,7 +79,7 @@ def _ask(args) -> int:
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
                         max_tool_response=args.max_tool_response, temperature=args.temperature,
                         top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed,
-                        draft_tokens=args.draft_tokens)
+                        draft_tokens=args.draft_tokens, guide=args.guide)
     # Everything a user can get wrong is checked before the model loads (seconds).
     settings.validated(context_limit=10**6)
     for question in args.questions:
@@ -107,8 +110,10 @@ def _ask(args) -> int:
 def _describe(segment) -> str:
     if segment.kind == "tool":
         return f"{segment.text}\n  [tool {segment.tools_named or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
+    guided = f" · {segment.guided_label}" if segment.guided_label else ""
     return (f"\n  [{segment.stop.label} · {count_text(segment.prefill_tokens)} new tokens prefilled, "
-            f"{count_text(segment.cached_tokens)} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms]")
+            f"{count_text(segment.cached_tokens)} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms"
+            f"{guided}]")
 
 
 def _summary(episode: Episode) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -22,13 +23,15 @@ def test_ask_json_schema_for_a_batch_with_a_calculator_call():
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [o["question"] for o in lines] == ["What is 41 * 23?", "Hello, who are you?"]
     calc = lines[0]
-    assert set(calc) == {"question", "answer", "backend", "total_tokens", "cache", "segments"}
+    assert set(calc) == {"question", "answer", "backend", "total_tokens", "cache", "guide", "segments"}
+    assert calc["guide"] is True  # (guided answers: on by default)
     assert calc["backend"].startswith("in-process (")  # which backend answered (a model server names itself)
     assert calc["cache"]["enabled"] is True and calc["cache"]["reused_tokens"] > calc["cache"]["prefill_tokens"]
     assert "943" in calc["answer"]
     for segment in calc["segments"]:
-        assert set(segment) == SEGMENT_KEYS
+        assert set(segment) == SEGMENT_KEYS | ({"guided"} if segment["kind"] == "model" else set())
         if segment["kind"] == "model":
+            assert set(segment["guided"]) == {"forced_tokens", "steered_tokens"}
             assert segment["stop_reason"] in {"string_match", "eos", "max_length"}
         else:
             assert segment["stop_reason"] is None and segment["tool"] == "Calculator"
@@ -53,6 +56,7 @@ def test_ask_no_cache_and_tiny_budgets():
     (["ask", "hi", "--tools", "Teleport"], "unknown tool 'Teleport'"),
     (["ask", "hi", "--prompt", "/nonexistent/prompt.txt"], "No such file"),
     (["ask", "hi", "--max-length", "abc"], "invalid int value: 'abc'"),
+    (["ask", "hi", "--guide=no"], "argument --guide/--no-guide: ignored explicit argument 'no'"),
     (["ask"], "the following arguments are required: QUESTION"),
     (["tool", "nosuch", "x"], "unknown tool nosuch"),
     (["tool", "calculator", "2**99999"], "error:"),
@@ -99,6 +103,7 @@ print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
     (["ask", "hi", "--max-new-tokens", "0"], 2),
     (["ask", "hi", "--tools", "Teleport"], 2),
     (["ask", "hi", "--prompt", "/nonexistent/prompt.txt"], 2),
+    (["ask", "hi", "--no-guide=1"], 2),
 ])
 def test_help_tool_and_mistakes_never_import_the_model_stack(args, code):
     """`--help`, `tool` and argument errors start in a fraction of a second: only `ask` that runs loads torch."""
@@ -106,6 +111,19 @@ def test_help_tool_and_mistakes_never_import_the_model_stack(args, code):
                          text=True, timeout=120)
     report = json.loads(out.stderr.splitlines()[-1])
     assert report == {"code": code, "heavy": []}, out.stderr
+
+
+def test_no_guide_lets_the_model_write_alone_and_the_guide_says_what_it_chose():
+    """--no-guide: episodes with "guide": false and no segment "guided"; with the guide (the default) the text
+    output's status line of a segment says what it forced (the look-up's entry opens the answer)."""
+    out = cli("ask", "What does kludge mean?", "What is 12 * 9?", "--json", "--no-guide", "--max-new-tokens", "32")
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(results) == 2 and all(r["guide"] is False for r in results)
+    assert all("guided" not in s for r in results for s in r["segments"])
+    out = cli("ask", "What does kludge mean?", "--guide", "--max-new-tokens", "32")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\d+ generated · \d+ ms · guided: \d+ forced", out.stdout), out.stdout
 
 
 def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
@@ -117,7 +135,8 @@ def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
                 "Result = 42<submit>\n\n")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(template, encoding="utf-8")
-    out = cli("ask", "What is 41 * 23?", "--json", "--prompt", str(prompt), "--tools", "calculator")
+    # (the guide off: with it the Calculator claims the question, and the engine writes the call, prefilling nothing)
+    out = cli("ask", "What is 41 * 23?", "--json", "--prompt", str(prompt), "--tools", "calculator", "--no-guide")
     assert out.returncode == 0, out.stderr
     (result,) = [json.loads(line) for line in out.stdout.splitlines()]
     rendered = render_prompt(template, get_tools(["Calculator"]))  # the prompt with only the calculator listed
