@@ -46,8 +46,8 @@ class ApiHandlers:
     def api_ask(self, question: str, settings: dict | None = None) -> dict:
         """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON).
         `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
-        temperature, top_p, use_cache, seed, draft_tokens, tools (a list of names) and prompt (a template with
-        {tools}, {abilities}, {actions})."""
+        temperature, top_p, use_cache, seed, draft_tokens, guide (guided answers: true, the default, or false),
+        tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions})."""
         try:
             engine, values, prompt = self._api_settings(settings)
             session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
@@ -73,8 +73,9 @@ class ApiHandlers:
     def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
         """Continue this API client's chat (one per client session); yields the growing text of the turn.
         `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
-        temperature, top_p, use_cache, seed, draft_tokens, tools (a list of names) and prompt (a template with
-        {tools}, {abilities}, {actions}). A change of tools or prompt starts a new chat."""
+        temperature, top_p, use_cache, seed, draft_tokens, guide (guided answers: true, the default, or false),
+        tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions}). A change of tools or
+        prompt starts a new chat."""
         try:
             engine, values, prompt = self._api_settings(settings)
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat

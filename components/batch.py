@@ -1,4 +1,5 @@
-"""Batch tab: parse `question | expected` lines, score batch episodes, render rows and a summary.
+"""Batch tab: parse `question | expected` lines, score batch episodes, render rows and a summary, and write the
+episodes as JSONL for a trainer.
 
 Pure functions over engine episodes (no server). A batch runs twice, cache on then off; the summary shows
 both totals, the speed-up and whether the two runs produced the same tokens.
@@ -6,7 +7,9 @@ both totals, the speed-up and whether the two runs produced the same tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
@@ -18,6 +21,7 @@ from components.chat import stop_text
 from components.stats import counted
 
 MAX_BATCH = 16
+JSONL_NAME = "batch-episodes.jsonl"
 COLUMNS = ["#", "question", "answer", "stops", "tool calls", "expected", "reward"]
 
 
@@ -151,3 +155,26 @@ def _unscored(run: BatchRun, items: list[Item]) -> str:
 
 def _partial(run: BatchRun) -> str:
     return " (stopped by user: partial)" if run.stopped else ""
+
+
+def episode_record(episode: Episode) -> dict:
+    """One episode as a trainer reads it (TRL's TextEnvironment shape): the turn's token ids (the question, the
+    model's segments and the tool outputs; the system prompt left out), its mask (1: the policy chose the token,
+    0: inserted, or forced by the guide), who wrote each token ("user", "tool", "model", "steered", "forced": drop
+    steered ones too if the policy must have chosen every trained token) and the reward (null: none expected,
+    or the row was cut short or failed)."""
+    return {"question": episode.question, "answer": episode.answer, "token_ids": list(episode.token_ids),
+            "mask": episode.mask, "provenance": episode.provenance, "reward": episode.reward, "guide": episode.guide}
+
+
+def episodes_jsonl(episodes: list[Episode]) -> str:
+    """One JSON object per episode, one per line (episode_record)."""
+    return "".join(json.dumps(episode_record(e), ensure_ascii=False) + "\n" for e in episodes)
+
+
+def write_episodes(episodes: list[Episode], directory: str | Path) -> Path:
+    """The episodes as JSONL in `directory` (a folder of this request's own: never a name another visitor's
+    download could share)."""
+    path = Path(directory) / JSONL_NAME
+    path.write_text(episodes_jsonl(episodes), encoding="utf-8")
+    return path

@@ -1,9 +1,12 @@
 """The Batch tab's handlers: a list of questions run as one batch episode, with the cache on and then off (a mixin of
-components.handlers.ChatService, whose engines, sessions and KV budget they use, as components.api's are)."""
+components.handlers.ChatService, whose engines, sessions and KV budget they use, as components.api's are); its
+episodes offered as a JSONL download."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -12,7 +15,8 @@ import gradio as gr
 
 from app.engine import Episode, EpisodeFinished
 from app.rewards import builtin_questions
-from components.batch import BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards
+from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards,
+                              write_episodes)
 from components.inputs import clean_prompt
 from components.status import failure_status
 
@@ -33,18 +37,20 @@ class BatchTab:
         return format_items(builtin_questions())
 
     def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-              request: gr.Request, seed=0, ticket: int | None = None) -> Iterator[tuple]:
-        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status)."""
+              request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
+        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status, download):
+        the download, once the batch ends, is the cache-on pass's episodes as JSONL (components.batch.
+        episode_record)."""
         cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
         try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed)
+                                                   tools, seed, guide)
             prompt = clean_prompt(prompt)
         except Exception as error:  # handler boundary
-            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
+            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip()
             return
-        yield empty_frame(), "", "running"
+        yield empty_frame(), "", "running", gr.DownloadButton(value=None, interactive=False)
         try:
             questions = [item.question for item in items]
             runs: list[BatchRun] = []
@@ -58,20 +64,32 @@ class BatchTab:
                     for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows at once
                         if isinstance(event, EpisodeFinished):
                             finished[event.row] = event.episode
-                            yield gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done"
+                            yield (gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done",
+                                   gr.skip())
                 episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
                 runs.append(BatchRun(episodes, time.perf_counter() - began, cached, stopped=cancel.is_set()))
                 if cached:  # show the rows as soon as the first pass is done
-                    yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off"
+                    yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off", gr.skip()
                 if cancel.is_set():
                     break
             on, off = runs[0], (runs[1] if len(runs) > 1 else None)
             for episode, score in zip(on.episodes, rewards(on.episodes, items)):
                 episode.reward = score
             status = "done" if not cancel.is_set() else "done (stopped by user)"
-            yield batch_frame(on.episodes, items), batch_summary(items, on, off), status
+            yield batch_frame(on.episodes, items), batch_summary(items, on, off), status, episodes_download(on)
         except Exception as error:  # handler boundary
-            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash)
+            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip()
 
     def stop_batch(self, request: gr.Request) -> None:
         self.store.cancel(request.session_hash, "batch")
+
+
+def episodes_download(run: BatchRun) -> gr.DownloadButton:
+    """The Download button holding `run`'s episodes as JSONL. The file is written to a folder of this request's
+    own (never a name another visitor's batch could share), which goes as soon as the button holds it: building
+    the button copies the file into Gradio's cache (a folder named by the content's hash), whence it is served."""
+    folder = tempfile.mkdtemp(prefix="textenv-batch-")
+    try:
+        return gr.DownloadButton(value=str(write_episodes(run.episodes, folder)), interactive=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

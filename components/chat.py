@@ -50,8 +50,11 @@ def prefill_text(segment: Segment) -> str:
 
 
 def segment_footer(segment: Segment) -> str:
+    """A model segment's status line: why it stopped, its prefill, its tokens and time, and what the guide chose
+    of it ("guided: 9 forced, 2 steered"; nothing where the guide changed nothing or was off)."""
+    guided = f" · {escape_text(segment.guided_label)}" if segment.guided_label else ""
     return (f"stop: {stop_markdown(segment.stop)} · {prefill_text(segment)} · {segment.generated_tokens} generated "
-            f"· {segment.ms:.0f} ms")
+            f"· {segment.ms:.0f} ms{guided}")
 
 
 def _body(text: str) -> str:

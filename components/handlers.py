@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import gradio as gr
 
 from app.backend import Backend, load_backend
-from app.compare import compare
+from app.compare import compare, compare_guide
 from app.engine import (Engine, InputError, SegmentFinished, SegmentStarted, Session, Settings, TextDelta,
                         clean_question, default_prompt_template)
 from app.kvcache import kv_nbytes
@@ -25,12 +25,12 @@ from app.tools.registry import default_tools, get_tools
 from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
-from components.compare import compare_markdown
+from components.compare import compare_markdown, guide_markdown
 from components.inputs import DEFAULTS, clean_prompt, make_settings
 from components.stats import stats_markdown
 from components.status import done_status, failure_status
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
-from components.tokens import token_spans
+from components.tokens import guided_spans, token_spans
 
 WARM_UP_QUESTION = "What is 1 + 1?"  # (warm_up: a turn that calls a tool, on a session nobody sees)
 
@@ -127,7 +127,8 @@ class ChatService(ApiHandlers, BatchTab):
     def token_view(self, session: Session | None) -> list[tuple[str, str]]:
         if session is None:
             return []
-        return token_spans(session.cache.ids, session.spans(), self.decode)
+        segments = [s for episode in session.episodes for s in episode.segments]
+        return token_spans(session.cache.ids, guided_spans(session.spans(), segments), self.decode)
 
     def stats(self, session: Session | None) -> str:
         backend = self._backend  # read once, never loaded here: the page shows stats before the first turn
@@ -174,25 +175,27 @@ class ChatService(ApiHandlers, BatchTab):
 
     # ---- page events ----------------------------------------------------------------------------------------
     def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
-                       seed=0) -> tuple[Engine, Settings]:
+                       seed=0, guide=None) -> tuple[Engine, Settings]:
         """The engine for the checked tools and the page's settings, checked against its model."""
-        settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed)
+        settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed, guide)
         engine = self.engine_for(list(tools or []))
         return engine, settings.validated(engine.context_limit)
 
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-             request: gr.Request, seed=0, ticket: int | None = None, sent: int | None = None) -> Iterator[tuple]:
+             request: gr.Request, seed=0, ticket: int | None = None, sent: int | None = None,
+             guide: bool | None = None) -> Iterator[tuple]:
         """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `seed`: where a new
         chat's sampling starts; `ticket`: the Stop ticket taken when the page submitted it, `sent`: its number
-        among the waiting messages (submit). (The page's inputs come in the parameters' order, `request` apart.)"""
+        among the waiting messages (submit); `guide`: the Guided answers checkbox (None: the default). (The
+        page's inputs come in the parameters' order, `request` apart.)"""
         key = request.session_hash
         entry = self.store.get(key)
         with entry.turn_order:  # (a turn of this visitor's that is still running ends first)
             yield from self._chat(entry, key, message or "", ticket, sent, use_cache, max_length, max_new_tokens,
-                                  max_turns, temperature, tools, prompt, seed)
+                                  max_turns, temperature, tools, prompt, seed, guide)
 
     def _chat(self, entry, key: str, message: str, ticket: int | None, sent: int | None, use_cache, max_length,
-              max_new_tokens, max_turns, temperature, tools, prompt, seed) -> Iterator[tuple]:
+              max_new_tokens, max_turns, temperature, tools, prompt, seed, guide) -> Iterator[tuple]:
         cancel = entry.chat_stop.begin(ticket)
 
         def view(status, textbox=None, partial=None, full=False):
@@ -216,7 +219,7 @@ class ChatService(ApiHandlers, BatchTab):
         try:
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed)
+                                                   tools, seed, guide)
             question = clean_question(message)  # before prepare: a rejected message must not start a new chat
             session = self.prepare(entry, engine, settings, clean_prompt(prompt), question)
             partial: str | None = None
@@ -282,7 +285,7 @@ class ChatService(ApiHandlers, BatchTab):
         return self.store.get(request.session_hash).chat_stop.ticket()
 
     def chat_page(self, submitted: dict | None, use_cache, max_length, max_new_tokens, max_turns, temperature,
-                  tools, prompt, request: gr.Request, seed=0) -> Iterator[tuple]:
+                  tools, prompt, request: gr.Request, seed=0, guide: bool | None = None) -> Iterator[tuple]:
         """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
         status (done / error)."""
         submitted = submitted or {}
@@ -293,22 +296,36 @@ class ChatService(ApiHandlers, BatchTab):
             return
         for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
                                 temperature, tools, prompt, request, seed, submitted.get("ticket"),
-                                submitted.get("sent")):
+                                submitted.get("sent"), guide):
             if output[2] == "running":
                 yield (*output, gr.skip(), gr.skip(), gr.skip())
             else:
                 yield (*output, *self.timing(request))
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-                request: gr.Request, seed=0, ticket: int | None = None) -> Iterator[tuple]:
+                request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
         """The current question with the cache on and off, side by side, on forks of this visitor's session (the
         chat is unchanged); with an empty message box, the chat's last turn again, from where it was asked (so
         the cached run can be checked against the chat's own answer). Yields (result markdown, status)."""
+        yield from self._compare("cache", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
+                                 temperature, tools, prompt, seed, guide)
+
+    def compare_guide(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
+                      prompt, request: gr.Request, seed=0, guide: bool | None = None,
+                      ticket: int | None = None) -> Iterator[tuple]:
+        """The current question with the guide on and off, side by side (what the guide chose, and what the model
+        writes alone), as compare() runs it: on forks of this visitor's session, the cache as set. Yields (result
+        markdown, status). (`guide`, the checkbox, is what both runs vary.)"""
+        yield from self._compare("guide", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
+                                 temperature, tools, prompt, seed, guide)
+
+    def _compare(self, what: str, message: str, request: gr.Request, ticket: int | None, *page) -> Iterator[tuple]:
+        """compare() (`what` "cache") or compare_guide() ("guide") on the page's settings `page`."""
         entry = self.store.get(request.session_hash)
         cancel, mine = entry.chat_stop.begin(ticket), object()
         entry.comparing.add(mine)
         try:
-            yield gr.skip(), "running: compare (cache on, then off)"
+            yield gr.skip(), f"running: compare ({what} on, then off)"
             question = (message or "").strip()
             rerun = not question  # the chat's last turn again
             if rerun:
@@ -316,19 +333,22 @@ class ChatService(ApiHandlers, BatchTab):
                 if not last:
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
                 question = last
+            use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide = page
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed)
+                                                   tools, seed, guide)
             prompt = clean_prompt(prompt)
             session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
             elif rerun:
                 turns = len(session.episodes) - 1  # from where the last turn was asked
+            run, render = (compare, compare_markdown) if what == "cache" else (compare_guide, guide_markdown)
+            # (room for a run that holds the whole session in a cache of its own: the cache-off run needs more
+            # than the cached one; the guide's runs copy the session's cache)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
-                result = compare(engine, session, question, settings, cancel=cancel,  # (off needs more than on)
-                                 turns=turns)
+                result = run(engine, session, question, settings, cancel=cancel, turns=turns)
             entry.comparing.discard(mine)
-            yield compare_markdown(result), done_status(len(entry.unanswered), len(entry.comparing), result.stopped)
+            yield render(result), done_status(len(entry.unanswered), len(entry.comparing), result.stopped)
         except Exception as error:  # handler boundary
             yield gr.skip(), failure_status(error, "compare", request.session_hash)
         finally:

@@ -10,7 +10,8 @@ from app.tools.registry import default_tools
 
 DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
-                "use_cache", "seed", "draft_tokens")
+                "use_cache", "seed", "draft_tokens", "guide")
+FLAGS = ("use_cache", "guide")  # the settings that are true or false
 
 
 MAX_PROMPT_CHARS = 8000
@@ -29,8 +30,9 @@ def clean_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0) -> Settings:
-    """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors."""
+def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0, guide=None) -> Settings:
+    """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors.
+    `guide`: the Guided answers checkbox (None: the default, on)."""
     def number(name, value, kind):
         if value is None or value == "":
             raise InputError(f"{name} is empty; enter a number")
@@ -42,8 +44,11 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
             raise InputError(f"{name} must be a whole number, not {value!r}")
         return kind(as_float)
 
+    if guide is not None and not isinstance(guide, bool):  # (a checkbox sends true or false; a raw call may not)
+        raise InputError(f"guide must be true or false, not {guide!r}")
     return dataclasses.replace(
         DEFAULTS,
+        guide=DEFAULTS.guide if guide is None else guide,
         use_cache=bool(use_cache),
         max_length=number("max_length", max_length, int),
         max_new_tokens=number("max_new_tokens", max_new_tokens, int),
@@ -55,7 +60,7 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
 
 def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None, str | None]:
     """API settings: any Settings field plus `tools` (list of names) and `prompt` (a system prompt template);
-    unknown keys are errors."""
+    unknown keys are errors, and so is a value of the wrong type (`"guide": "yes"`, `"use_cache": 1`)."""
     if values is not None and not isinstance(values, dict):
         raise InputError("settings must be a JSON object, e.g. {\"max_new_tokens\": 64}")
     values = dict(values or {})
@@ -69,11 +74,12 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None,
         raise InputError(f"bad settings: {error}") from None
     for name in SETTING_KEYS:
         value = getattr(settings, name)
-        expected = bool if name == "use_cache" else (float if name in ("temperature", "top_p") else int)
+        expected = bool if name in FLAGS else (float if name in ("temperature", "top_p") else int)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             continue
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise InputError(f"setting {name} must be {expected.__name__}, got {value!r}")
+            kind = "true or false" if expected is bool else expected.__name__
+            raise InputError(f"setting {name} must be {kind}, got {value!r}")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
         raise InputError("setting tools must be a list of tool names")
     if prompt is not None and not isinstance(prompt, str):

@@ -34,7 +34,8 @@ def launch_kwargs() -> dict:
 def build_demo(service: ChatService | None = None) -> gr.Blocks:
     service = service or ChatService()
     turns = concurrent_turns()  # turns (and Compare, Batch, API calls) that run at once: 1 in process
-    with gr.Blocks(title="TextEnv Chat") as demo:
+    # (delete_cache: Gradio's copies of the Batch tab's downloads go after an hour, checked hourly)
+    with gr.Blocks(title="TextEnv Chat", delete_cache=(3600, 3600)) as demo:
         gr.Markdown("# TextEnv Chat\nA small model that calls tools (calculator, Jargon File search) "
                     "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
         with gr.Row():
@@ -50,11 +51,14 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             stop = gr.Button("Stop", elem_id="stop", variant="stop")
                             new_chat = gr.Button("New chat", elem_id="new-chat")
                             compare = gr.Button("Compare cache", elem_id="compare")
+                            compare_guide = gr.Button("Compare guide", elem_id="compare-guide")
                         status = gr.Markdown("ready", elem_id="status")
                         gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
                         compare_result = gr.Markdown(
-                            "*Compare runs the message with the KV cache on and off from this point of the chat "
-                            "(an empty box: the chat's last turn again), without changing the chat.*",
+                            "*Compare cache runs the message with the KV cache on and off from this point of the "
+                            "chat (an empty box: the chat's last turn again), without changing the chat; Compare "
+                            "guide runs it with the guide on and off: what the guide chose, and what the model "
+                            "writes alone.*",
                             elem_id="compare-result")
                         with gr.Row():
                             timing = gr.BarPlot(prefill_frame([]), x="segment", y="tokens", color="part",
@@ -82,9 +86,16 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                         batch_results = gr.Dataframe(empty_frame(), elem_id="batch-results", label="Per query",
                                                      interactive=False, wrap=True,
                                                      column_widths=["4%", "17%", "22%", "17%", "14%", "16%", "10%"])
+                        # the cache-on pass's episodes, one JSON object a line: question, token_ids, mask,
+                        # provenance, reward (what a TRL trainer is fed); offered once a batch has run
+                        batch_download = gr.DownloadButton("Download episodes (JSONL)", elem_id="batch-download",
+                                                           interactive=False, size="md")
             with gr.Column(scale=2):
                 with gr.Accordion("Settings", open=True):
                     use_cache = gr.Checkbox(DEFAULTS.use_cache, label="KV cache", elem_id="use-cache")
+                    guide = gr.Checkbox(DEFAULTS.guide, label="Guided answers", elem_id="guide",
+                                        info="A grammar keeps each segment to the protocol and opens the answer "
+                                             "with the tool's result; the tokens it chose show as \"guide\".")
                     max_length = gr.Number(DEFAULTS.max_length, label="max_length (whole session, tokens)",
                                            elem_id="max-length", step=1)
                     max_new_tokens = gr.Number(DEFAULTS.max_new_tokens, label="max_new_tokens (per segment)",
@@ -104,18 +115,18 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                               "example line ending in <call> gets the tool's real output and "
                                               "answer; a change starts a new chat)")
                 stats = gr.Markdown(service.stats(None), elem_id="stats")
-                tokens = gr.HighlightedText(label="Tokens (system · user · model · tool)", elem_id="tokens",
+                tokens = gr.HighlightedText(label="Tokens (system · user · model · guide · tool)", elem_id="tokens",
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
                                             show_inline_category=False)
 
         # the streaming handlers, closed off Gradio's event loop when their client goes away (app.streaming)
-        chat_page, run_compare, run_batch, api_chat = map(closes_elsewhere, (
-            service.chat_page, service.compare, service.batch, service.api_chat))
+        chat_page, run_compare, run_compare_guide, run_batch, api_chat = map(closes_elsewhere, (
+            service.chat_page, service.compare, service.compare_guide, service.batch, service.api_chat))
         # What the page hands queued work when it is submitted: a sent message with its Stop ticket, and the
         # tickets of Compare and Batch (hidden: their values travel with each queued event)
         submitted = gr.JSON(visible=False)
         compare_ticket, batch_ticket = gr.Number(visible=False), gr.Number(visible=False)
-        settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed]
+        settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide]
         turn_inputs = [msg, *settings_inputs]
         charts_outputs = [timing, timing_ms, timing_text]
         turn_outputs = [chat, msg, status, tokens, stats, *charts_outputs]
@@ -144,11 +155,15 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
             run_compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,
             show_progress="hidden", api_visibility="private", api_name="ui_compare")
+        compare_guide.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_guide_ticket").then(
+            run_compare_guide, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL,
+            concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_compare_guide")
         batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
         batch_run.click(service.batch_ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
-            run_batch, [batch_questions, *settings_inputs, batch_ticket], [batch_results, batch_summary, batch_status],
+            run_batch, [batch_questions, *settings_inputs, batch_ticket],
+            [batch_results, batch_summary, batch_status, batch_download],
             concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from app.decoding import Limit, Stop, StopReason
-from app.engine import Engine, Episode, InputError, Segment, Span, default_prompt_template
+from app.engine import Engine, Episode, InputError, Provenance, Segment, Span, default_prompt_template
+from app.guide_matcher import GuideVocab
 from app.kvcache import GROW_TOKENS, kv_nbytes
 from app.sessions import MB, TURN_TOKENS, SessionStore, StoreStats
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
@@ -25,8 +26,8 @@ from components import inputs
 from components.handlers import ChatService
 from components.inputs import make_settings, settings_from_dict
 from components.stats import stats_markdown
-from components.tokens import COLOR_MAP, token_counts, token_spans, token_summary
-from tests.conftest import forced, plan_text
+from components.tokens import COLOR_MAP, guided_spans, token_counts, token_spans, token_summary
+from tests.conftest import forced, plan_text, writing
 
 CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
 SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
@@ -77,6 +78,18 @@ def test_model_message_shows_text_stop_reason_and_counts():
     assert "stop: stopped by user" in model_message(cancelled)["content"]
     empty = Segment("model", "", 0, 1, stop=Stop(StopReason.EOS))
     assert "(no text)" in model_message(empty)["content"]
+    assert "guided" not in content  # (the guide off: no provenance, nothing to say)
+
+
+def test_a_segments_status_line_says_what_the_guide_chose():
+    segment = dataclasses.replace(calculator_episode().segments[2], provenance=[Provenance.MODEL] * 3
+                                  + [Provenance.FORCED] * 5 + [Provenance.STEERED] * 2)
+    content = model_message(segment)["content"]
+    assert content.endswith("· 1240 ms · guided: 5 forced, 2 steered*")
+    untouched = dataclasses.replace(segment, provenance=[Provenance.MODEL] * 10)  # guided, but nothing changed
+    assert "guided" not in model_message(untouched)["content"]
+    unknown = dataclasses.replace(segment, provenance=[Provenance.FORCED] * 10, steered_known=False)  # a server's
+    assert "guided: 10 forced, steered not reported" in model_message(unknown)["content"]
 
 
 def test_tool_message_is_collapsible_with_tool_query_and_result():
@@ -128,10 +141,36 @@ def test_token_spans_decode_each_span_once():
     assert view == [("0|1|2|3", "system"), ("4|5", "user"), ("6|7|8", "model"), ("9", "tool"), ("10|11", "model")]
     assert len(calls) == len(spans)
     assert token_spans(ids, spans[:2], decode)[-1] == ("6|7|8|9|10|11", "model")
-    assert token_counts(spans) == {"system": 4, "user": 2, "model": 5, "tool": 1}
+    assert token_counts(spans) == {"system": 4, "user": 2, "model": 5, "guide": 0, "tool": 1}
     assert token_summary(spans).endswith("total 12 tokens")
-    assert set(COLOR_MAP) == {"system", "user", "model", "tool"}
+    assert set(COLOR_MAP) == {"system", "user", "model", "guide", "tool"}
     assert gr.HighlightedText(color_map=COLOR_MAP).postprocess(view).root[0].class_or_confidence == "system"
+
+
+def test_the_token_view_colours_the_tokens_the_guide_chose():
+    """Forced and steered tokens of a model segment are their own runs, "guide", beside the model's own; a
+    segment the guide left alone (or ran without it) stays one "model" span; tool spans stay as they are."""
+    M, F, S = Provenance.MODEL, Provenance.FORCED, Provenance.STEERED
+    ids = list(range(16))
+    spans = [Span("system", 0, 4), Span("user", 4, 6), Span("model", 6, 9), Span("tool", 9, 10),
+             Span("model", 10, 16)]
+    segments = [Segment("model", "call", 6, 9, provenance=None),  # the guide off
+                Segment("tool", "out", 9, 10),
+                Segment("model", "answer", 10, 16, provenance=[M, F, F, S, M, M])]
+    split = guided_spans(spans, segments)
+    assert [(s.role, s.start, s.end) for s in split] == [
+        ("system", 0, 4), ("user", 4, 6), ("model", 6, 9), ("tool", 9, 10),
+        ("model", 10, 11), ("guide", 11, 14), ("model", 14, 16)]
+    view = token_spans(ids, split, lambda chunk: "|".join(map(str, chunk)))
+    assert view[-3:] == [("10", "model"), ("11|12|13", "guide"), ("14|15", "model")]
+    assert token_counts(split) == {"system": 4, "user": 2, "model": 6, "guide": 3, "tool": 1}
+    highlighted = gr.HighlightedText(color_map=COLOR_MAP).postprocess(view).root
+    assert [e.class_or_confidence for e in highlighted].count("guide") == 1
+    assert COLOR_MAP["guide"] not in (COLOR_MAP[r] for r in ("system", "user", "model", "tool"))  # its own colour
+    forced_only = [Segment("model", "call", 6, 9, provenance=[F, F, F])]  # (a claimed call: all the engine's)
+    assert [s.role for s in guided_spans(spans[2:3], forced_only)] == ["guide"]
+    short = [Segment("model", "x", 6, 9, provenance=[F])]  # provenance shorter than the span: the rest the model's
+    assert [(s.role, s.end) for s in guided_spans(spans[2:3], short)] == [("guide", 7), ("model", 9)]
 
 
 def test_stats_markdown():
@@ -168,6 +207,44 @@ def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
         make_settings(True, 10.5, 8, 2, 0)
     with pytest.raises(InputError, match="must be a number"):
         make_settings(True, 10, "x", 2, 0)
+    assert make_settings(True, 10, 8, 2, 0).guide is inputs.DEFAULTS.guide  # (None: the default)
+    assert make_settings(True, 10, 8, 2, 0, 0, True).guide is True
+    assert make_settings(True, 10, 8, 2, 0, 0, False).guide is False
+    with pytest.raises(InputError, match="guide must be true or false, not 'yes'"):
+        make_settings(True, 10, 8, 2, 0, 0, "yes")
+
+
+def test_the_pages_guided_answers_checkbox_is_on_and_reaches_every_handler(tiny_llama, monkeypatch):
+    """The checkbox (on, with its one line) is the `guide` input of the turn, both Compares and the Batch: the
+    page hands its inputs by position, so a list out of step with a handler's parameters would pass the seed as
+    the guide (or the Stop ticket as the seed)."""
+    import importlib
+    import inspect
+
+    import components.layout
+
+    monkeypatch.undo()  # the page's own defaults (this module's fixture turns the guide off)
+    build_demo = importlib.reload(components.layout).build_demo
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    demo = build_demo(service)
+    (checkbox,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "guide"]
+    assert isinstance(checkbox, gr.Checkbox) and checkbox.value is True and checkbox.label == "Guided answers"
+    assert checkbox.info and "guide" in checkbox.info
+    (download,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "batch-download"]
+    assert isinstance(download, gr.DownloadButton) and not download.interactive  # (until a batch has run)
+    by_name = {fn.api_name: fn for fn in demo.fns.values()}
+    for name, method in [("ui_turn", "chat_page"), ("ui_submit", "chat_page"), ("ui_compare", "compare"),
+                         ("ui_compare_guide", "compare_guide"), ("ui_batch", "batch")]:
+        params = [p for p in inspect.signature(getattr(service, method)).parameters if p != "request"]
+        inputs = by_name[name].inputs
+        assert inputs[params.index("guide")] is checkbox, name
+        assert getattr(inputs[params.index("seed")], "elem_id", None) == "seed", name
+        assert len(inputs) <= len(params), name
+    assert batch_outputs(by_name["ui_batch"]) == ["batch-results", "batch-summary", "batch-status", "batch-download"]
+
+
+def batch_outputs(fn) -> list[str]:
+    return [getattr(block, "elem_id", None) for block in fn.outputs]
 
 
 def test_settings_from_dict():
@@ -185,17 +262,26 @@ def test_settings_from_dict():
         settings_from_dict({"max_length": "big"})
     with pytest.raises(InputError, match="tools must be a list"):
         settings_from_dict({"tools": "Calculator"})
+    assert settings_from_dict({"guide": False})[0].guide is False
+    assert settings_from_dict({"guide": True})[0].guide is True
+    for bad in ("no", 0, 1, None, [True]):
+        with pytest.raises(InputError, match="setting guide must be true or false"):
+            settings_from_dict({"guide": bad})
+    with pytest.raises(InputError, match="setting use_cache must be true or false"):
+        settings_from_dict({"use_cache": "off"})
 
 
 # ---- handlers on a tiny forced model ----------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def one_token_per_pass(monkeypatch):
-    """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass."""
+    """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass. The guide
+    is off unless a test turns it on (guide=True): these tests are about the handlers, and the guide would change
+    the planned text (its own tests: tests/test_guide.py, and the guided ones below)."""
     import dataclasses
 
     from components import inputs
 
-    monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0))
+    monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0, guide=False))
 
 def request(key: str = "page-1"):
     return types.SimpleNamespace(session_hash=key)
@@ -315,6 +401,9 @@ def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokeni
 
 def make_service(tiny_llama, plan=None, eos_ids=None):
     loaded = forced(tiny_llama, plan, eos_ids=eos_ids)
+    if eos_ids is not None and not eos_ids:  # a model that never stops: the guide (warm_up's turn runs it) still
+        # needs its tokenizer's end token (llguidance rejects an empty EOS list)
+        loaded.__dict__["guide_vocab"] = GuideVocab(loaded.tokenizer, tiny_llama.eos_ids)
     service = ChatService(loader=lambda: loaded, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     service.warm_up()  # prefill the shared prompt now, so plan step 0 is the first generated token
     loaded.model.step = 0
@@ -469,7 +558,7 @@ def test_new_chat_shows_the_messages_still_waiting_which_it_will_answer(tiny_lla
 def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
     service, _ = make_service(tiny_llama, calculator_plan)
     result = service.api_ask("What is 41 * 23?", {"max_new_tokens": 16})
-    assert set(result) == {"question", "answer", "backend", "total_tokens", "cache", "segments"}
+    assert set(result) == {"question", "answer", "backend", "total_tokens", "cache", "guide", "segments"}
     assert result["answer"] == "Result = 943"
     assert [s["kind"] for s in result["segments"]] == ["model", "tool", "model"]
     assert result["segments"][0]["stop_string"] == "<call>" and result["segments"][1]["tool"] == "Calculator"
@@ -727,3 +816,44 @@ def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
     assert ending_note(None) is None
     assert done_status(1, ended="ended by repetition") == "done · ended by repetition · 1 more message to answer"
     assert done_status(0) == "done"
+
+
+# ---- guided answers on the page and the API ---------------------------------------------------------------
+CLAIMED = "What is 2 + 2 * 3?"  # a question the Calculator claims: with the guide on, the engine writes the call
+ALONE = "\nResult = 7<submit>"  # what the model writes (tests/conftest.py WritingModel), the guide off or on
+
+
+def writing_service(tiny_llama, *pieces: str) -> ChatService:
+    loaded = writing(tiny_llama, *pieces)
+    return ChatService(loader=lambda: loaded, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+
+
+@pytest.mark.parametrize("guide", [True, False])
+def test_the_guided_answers_checkbox_decides_the_turn_and_the_view_shows_the_guides_tokens(tiny_llama, guide):
+    service = writing_service(tiny_llama, ALONE)
+    *_, (chat, _, status, tokens, _) = service.chat(CLAIMED, True, 4096, 24, 4, 0, ["Calculator", "Search"],
+                                                    default_prompt_template(), request(), guide=guide)
+    episode = service.store.peek("page-1").session.episodes[-1]
+    assert episode.guide is guide and status.startswith("done")
+    roles = [role for _, role in tokens]
+    if guide:  # the claimed call is the engine's, and the answer opens with the Calculator's 8: forced
+        call, tool, answer = episode.segments
+        assert "".join(text for text, role in tokens if role == "guide").startswith(
+            "<request><Calculator>2 + 2 * 3<call>")
+        assert roles.count("guide") >= 2 and "model" in roles
+        assert f"guided: {call.forced_tokens} forced" in chat[1]["content"] and call.forced_tokens == call.end - call.start
+        assert answer.text.startswith("\nResult = 8") and "guided: " in chat[-1]["content"]
+    else:  # the model alone: no call, its own (wrong) answer, no token the guide's
+        assert episode.answer == "Result = 7" and [s.kind for s in episode.segments] == ["model"]
+        assert "guide" not in roles and "guided" not in str(chat)
+
+
+def test_the_apis_guide_setting_decides_the_episode(tiny_llama):
+    results = {guide: writing_service(tiny_llama, ALONE).api_ask(CLAIMED, {"guide": guide, "max_new_tokens": 24})
+               for guide in (True, False)}
+    on, off = results[True], results[False]
+    assert on["guide"] is True and off["guide"] is False
+    assert on["segments"][0]["guided"]["forced_tokens"] > 0 and on["answer"].startswith("Result = 8")
+    assert off["answer"] == "Result = 7" and all("guided" not in s for s in off["segments"])
+    with pytest.raises(gr.Error, match="setting guide must be true or false, got 'off'"):
+        writing_service(tiny_llama, ALONE).api_ask(CLAIMED, {"guide": "off"})

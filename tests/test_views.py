@@ -9,16 +9,19 @@ import gradio as gr
 import pandas as pd
 import pytest
 
-from app.compare import Comparison
+import json
+
+from app.compare import Comparison, GuideComparison
 from app.decoding import Limit, Stop, StopReason
-from app.engine import MAX_QUESTION_CHARS, Episode, InputError, Segment, default_prompt_template
+from app.engine import MAX_QUESTION_CHARS, Episode, InputError, Provenance, Segment, default_prompt_template
 from app.rewards import builtin_questions, exact_match
-from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summary, format_items, parse_batch,
-                              rewards)
-from components.compare import compare_markdown
+from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summary, episode_record, episodes_jsonl,
+                              format_items, parse_batch, rewards)
+from components.compare import compare_markdown, guide_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from tests.conftest import plan_text
-from tests.test_components import calculator_episode, make_service, plain, request, turn
+from tests.test_components import (ALONE, CLAIMED, calculator_episode, make_service, plain, request, turn,
+                                   writing_service)
 
 CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
 SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
@@ -28,10 +31,11 @@ TOOLS = ["Calculator", "Search"]
 
 @pytest.fixture(autouse=True)
 def one_token_per_pass(monkeypatch):
-    """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass."""
+    """Forced plans name the token of each forward pass; prompt-lookup drafts verify several per pass. The guide
+    is off unless a test turns it on: it would change the planned text (tests/test_guide.py tests it)."""
     from components import inputs
 
-    monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0))
+    monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0, guide=False))
 
 
 def answer_episode(question: str, text: str, use_cache: bool = True, ms: float = 500.0) -> Episode:
@@ -98,6 +102,24 @@ def test_compare_markdown_shows_both_columns_identity_and_speedup():
     off.token_ids = [1, 2, 3]
     assert "identical tokens: no" in compare_markdown(Comparison(on, off, cached_s=0.0, uncached_s=1.0))
     assert "∞" in compare_markdown(Comparison(on, off, cached_s=0.0, uncached_s=1.0))
+
+
+def test_guide_markdown_shows_both_answers_and_what_the_guide_chose():
+    on = answer_episode("What is 6*7?", "Result = 42<submit>")
+    on.guide = True
+    on.segments[0].provenance = [Provenance.MODEL] * 2 + [Provenance.FORCED] * 6 + [Provenance.STEERED] * 2
+    off = answer_episode("What is 6*7?", "Result = 41<submit>", ms=300.0)
+    text = guide_markdown(GuideComparison(on, off, guided_s=0.5, unguided_s=0.25))
+    assert "| | guide on | guide off |" in text
+    assert "| answer | Result = 42&lt;submit&gt; | Result = 41&lt;submit&gt; |" in text
+    assert "| tokens forced by the guide | 6 | 0 |" in text and "| tokens steered by the guide | 2 | 0 |" in text
+    assert "| wall time | 0.50 s | 0.25 s |" in text and "| tool calls | none | none |" in text
+    assert "same answer: no" in text and "6 tokens were forced and 2 steered" in text
+    on.segments[0].steered_known = False  # a model server's: steering not reported
+    assert "| tokens steered by the guide | not reported | 0 |" in guide_markdown(GuideComparison(on, off, 1, 1))
+    on.segments[0].stop = Stop(StopReason.CANCELLED)
+    stopped = guide_markdown(GuideComparison(on, off, 1, 1))
+    assert "stopped by user" in stopped and "same answer" not in stopped
 
 
 # ---- batch --------------------------------------------------------------------------------------------------
@@ -227,8 +249,18 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
     service, _ = make_service(tiny_llama, answers_plan(tokenizer, 2, *answers))
     text = "What is 41 * 23? | 943\nWhat is ninety-six over eight? | 12"
     outputs = list(service.batch(text, *SETTINGS, TOOLS, default_prompt_template(), request()))
-    frame, summary, status = outputs[-1]
+    frame, summary, status, download = outputs[-1]
     assert status == "done" and outputs[0][2] == "running"
+    assert outputs[0][3].interactive is False and all(o[3] == gr.skip() for o in outputs[1:-1])
+    assert download.interactive is True and download.value["orig_name"] == "batch-episodes.jsonl"
+    lines = [json.loads(line) for line in open(download.value["path"], encoding="utf-8")]  # (Gradio's copy)
+    assert [line["question"] for line in lines] == ["What is 41 * 23?", "What is ninety-six over eight?"]
+    assert [line["reward"] for line in lines] == [1.0, 0.0]
+    for line in lines:
+        assert len(line["token_ids"]) == len(line["mask"]) == len(line["provenance"]) > 0
+        assert line["guide"] is False and set(line["provenance"]) <= {"user", "tool", "model"}
+        assert line["mask"] == [int(p == "model") for p in line["provenance"]]
+    assert "tool" in lines[0]["provenance"] and lines[0]["answer"] == "Result = 943"
     assert any("cache off" in str(o[2]) for o in outputs)
     assert isinstance(frame, pd.DataFrame) and list(frame["reward"]) == ["1", "0"]
     assert list(frame["answer"]) == ["Result = 943", "Result = 13"]
@@ -339,7 +371,49 @@ def test_new_chat_during_a_batch_leaves_the_batch_running(tiny_llama):
         return forward(*args, **kwargs)
 
     loaded.model.forward = forward_then_new_chat
-    frame, summary, status = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
-                                                request(), service.batch_ticket(request())))[-1]
+    frame, summary, status, _ = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
+                                                   request(), ticket=service.batch_ticket(request())))[-1]
     assert status == "done" and "total time, cache off" in summary
     assert "stopped by user" not in " ".join(frame["stops"])
+
+
+# ---- guided answers: Compare guide and the Batch tab's JSONL ---------------------------------------------------
+def test_compare_guide_runs_the_question_with_the_guide_on_and_off_and_leaves_the_chat(tiny_llama):
+    service = writing_service(tiny_llama, ALONE)
+    outputs = list(service.compare_guide(CLAIMED, True, 4096, 24, 4, 0, TOOLS, default_prompt_template(), request(),
+                                         guide=False))  # (the checkbox does not matter: both runs are made)
+    assert outputs[0][1] == "running: compare (guide on, then off)"
+    text, status = outputs[-1]
+    assert plain(status) == "done" and "| | guide on | guide off |" in text
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in text.splitlines() if " | " in line}
+    assert rows["answer"][0].startswith("&lt;request&gt;&lt;Calculator&gt;2 \\+ 2 \\* 3&lt;call&gt;")
+    assert "Result = 8" in rows["answer"][0] and rows["answer"][1] == "Result = 7&lt;submit&gt; |"
+    assert rows["tool calls"] == ["Calculator: 2 \\+ 2 \\* 3", "none |"]
+    assert int(rows["tokens forced by the guide"][0]) > 0 and rows["tokens forced by the guide"][1] == "0 |"
+    assert "same answer: no" in text
+    assert service.store.peek("page-1").session is None  # the chat is untouched
+
+
+def test_a_guided_batchs_jsonl_marks_the_guides_tokens_out_of_the_mask(tiny_llama):
+    service = writing_service(tiny_llama, ALONE)
+    *_, (_, _, status, download) = service.batch(f"{CLAIMED} | 8", True, 4096, 24, 4, 0, TOOLS,
+                                                 default_prompt_template(), request(), guide=True)
+    assert plain(status) == "done"
+    (line,) = [json.loads(line) for line in open(download.value["path"], encoding="utf-8")]
+    assert line["guide"] is True and line["question"] == CLAIMED and line["answer"].startswith("Result = 8")
+    assert line["reward"] == exact_match(line["answer"], "8")  # (the tiny model writes on after the 8)
+    provenance, mask = line["provenance"], line["mask"]
+    assert "forced" in provenance and len(provenance) == len(mask) == len(line["token_ids"])
+    assert all(m == 0 for m, p in zip(mask, provenance) if p in ("forced", "user", "tool"))
+    assert all(m == 1 for m, p in zip(mask, provenance) if p in ("model", "steered"))
+
+
+def test_episode_records_are_one_json_line_each():
+    episode = answer_episode("Qué es 6*7?", "Result = 42<submit>")
+    episode.reward = 1.0
+    record = episode_record(episode)
+    assert set(record) == {"question", "answer", "token_ids", "mask", "provenance", "reward", "guide"}
+    text = episodes_jsonl([episode, episode])
+    assert text.count("\n") == 2 and text.endswith("\n") and "Qué" in text  # (UTF-8 as is)
+    assert json.loads(text.splitlines()[1]) == record
+    assert episodes_jsonl([]) == ""
