@@ -159,12 +159,19 @@ def test_rejects(expression: str, message: str) -> None:
     assert 0 < len(text) <= 200  # short enough for the model to read
 
 
-@pytest.mark.parametrize("expression", ["pi", "sqrt(pi)", "e", "x"])
-def test_names_are_not_taken_for_a_look_up(expression: str) -> None:
-    try:
-        calculate(expression)
-    except ToolError as error:
-        assert "words" not in str(error)
+@pytest.mark.parametrize(("expression", "value"), [("pi", "3.14159265359"), ("sqrt(pi)", "1.77245385091"),
+                                                  ("e", "2.71828182846")])
+def test_names_are_not_taken_for_a_look_up(expression: str, value: str) -> None:
+    """Constants and functions are arithmetic: computed, not sent back as words to look up."""
+    assert calculate(expression) == value
+
+
+def test_an_unknown_name_is_not_taken_for_a_look_up_either() -> None:
+    """One letter is a name the calculator does not know (it says which it does), not words to search for."""
+    with pytest.raises(ToolError) as info:
+        calculate("x")
+    assert "name 'x' is not allowed (allowed: constants pi, e;" in str(info.value)
+    assert "words" not in str(info.value)
 
 
 def test_non_text_input_is_rejected() -> None:

@@ -330,13 +330,39 @@ def test_rows_reading_shared_prefixes_are_bitwise_independent_of_each_other(whic
         assert torch.equal(solo, mixed) and torch.equal(solo, reversed_)
 
 
-def test_the_int8_probe_times_both_matmuls_once():
+@pytest.mark.parametrize("int_mm_s, fast", [(0.25, True), (3.0, False)])
+def test_the_int8_probe_times_both_matmuls_once(monkeypatch, int_mm_s, fast):
     """Regression: int8 was the default everywhere, and on an AVX2-only CPU (no VNNI) `torch._int_mm` fell back
-    to a loop ~30x slower than float32, so a 10-token greeting took minutes. The probe's answer is cached."""
+    to a loop ~30x slower than float32, so a 10-token greeting took minutes. The probe times `_int_mm` against a
+    float32 matmul of the same (LM-head-like) size, best of three runs after a warm-up, says "fast" only where
+    `_int_mm` wins, and answers once per process. On a clock of the test's own a float32 run takes 1 s and an
+    `_int_mm` run `int_mm_s` (its real runs happen too, so its arguments are checked)."""
+    import types
+
+    from app import int8
+
+    clock, calls = [0.0], []
+    real_int_mm = torch._int_mm
+
+    def perf_counter() -> float:  # a run is timed by two calls: 1 s apart
+        clock[0] += 1.0
+        return clock[0]
+
+    def int_mm(a, b):
+        calls.append((a.dtype, tuple(a.shape), b.dtype, tuple(b.shape)))
+        clock[0] += int_mm_s - 1.0
+        return real_int_mm(a, b)
+
+    monkeypatch.setattr(int8, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(torch, "_int_mm", int_mm)
     int8_matmul_is_fast.cache_clear()
-    first = int8_matmul_is_fast()
-    assert isinstance(first, bool) and int8_matmul_is_fast() is first
-    assert int8_matmul_is_fast.cache_info().hits == 1
+    try:
+        assert int8_matmul_is_fast() is fast
+        assert calls == [(torch.int8, (2, 576), torch.int8, (576, 8192))] * 4  # a warm-up and three timed runs
+        assert int8_matmul_is_fast() is fast and len(calls) == 4  # the answer is kept: no second timing
+        assert int8_matmul_is_fast.cache_info().hits == 1
+    finally:
+        int8_matmul_is_fast.cache_clear()  # (the next caller times the real matmuls)
 
 
 def test_int8_covers_llama_family_models_only(tokenizer):

@@ -36,6 +36,10 @@ def test_a_local_folder_from_model_id_loads_and_answers(tmp_path, monkeypatch, t
 
 
 def test_a_missing_model_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("MODEL_ID", str(tmp_path / "nothing-here"))
-    with pytest.raises(OSError):
+    """An OSError, which the CLI prints as one `error: ...` line (app.cli catches it), naming what MODEL_ID asked
+    for. (The text itself is transformers': a path that is no folder reads as a malformed hub id.)"""
+    missing = tmp_path / "nothing-here"
+    monkeypatch.setenv("MODEL_ID", str(missing))
+    with pytest.raises(OSError) as caught:
         load_model()
+    assert f"'{missing}'" in str(caught.value)

@@ -18,10 +18,11 @@ from app.tools.registry import Tool, default_tools
 from tests.conftest import logit_tolerance
 
 
-def wait_for_steps(scheduler: Scheduler, n: int, timeout: float = 60.0) -> None:
-    """Block until the scheduler has run `n` more steps: rows started after it join a batch mid-flight."""
-    end, target = time.monotonic() + timeout, scheduler.stats.steps + n
-    while scheduler.stats.steps < target and time.monotonic() < end:
+def wait_for_steps(scheduler: Scheduler, n: int) -> None:
+    """Block until the scheduler has run `n` more steps: rows started after it join a batch mid-flight. (No
+    deadline: it used to give up silently after 60 s; pytest-timeout now fails a hang with its traceback.)"""
+    target = scheduler.stats.steps + n
+    while scheduler.stats.steps < target:
         time.sleep(0.002)
 
 
@@ -239,20 +240,39 @@ def test_rows_on_a_model_without_the_ragged_pass_still_run_one_by_one(tiny, toke
     assert results == solo
 
 
-def test_a_sampled_rows_output_depends_only_on_its_own_seed(tiny_llama):
+def test_a_sampled_rows_output_depends_only_on_its_own_seed(tiny_llama, monkeypatch):
+    """Four sampled rows at once: the seed-7 row's tokens are its tokens alone. The scheduler's first step waits
+    until all four have asked for their passes (no timing: it reads its own queue), so they share steps, which
+    the steps' records show."""
     engine = Engine(tiny_llama)
     sampled = Settings(max_new_tokens=24, max_turns=0, temperature=0.9, seed=7)
     alone = engine.ask(engine.new_session(seed=7), "Tell me something.", sampled).token_ids
     others = [Settings(max_new_tokens=30, max_turns=0, temperature=1.2, seed=s) for s in (1, 2, 3)]
-    got: list = []
-    threads = [threading.Thread(target=lambda s=s: engine.ask(engine.new_session(seed=s.seed), "Go on.", s))
-               for s in others]
+    mine = engine.new_session(seed=7)
+    sessions = [engine.new_session(seed=s.seed) for s in others]  # (their shared prompt prefilled before the gate)
+    scheduler = tiny_llama.scheduler
+    steps: list[set[int]] = []  # each step's rows, by their caches
+    plan = scheduler._plan
+
+    def gathered(requests):  # (the scheduler's thread, before each step)
+        if not steps:
+            with scheduler._cond:
+                scheduler._cond.wait_for(lambda: len(requests) + len(scheduler._waiting) == 4)
+        chosen = plan(requests)
+        steps.append({id(request.cache) for request, _ in chosen})
+        return chosen
+
+    monkeypatch.setattr(scheduler, "_plan", gathered)
+    threads = [threading.Thread(target=lambda s=s, session=session: engine.ask(session, "Go on.", s))
+               for s, session in zip(others, sessions)]
     for t in threads:
         t.start()
-    got.append(engine.ask(engine.new_session(seed=7), "Tell me something.", sampled).token_ids)
+    got = engine.ask(mine, "Tell me something.", sampled).token_ids
     for t in threads:
         t.join()
-    assert got[0] == alone
+    assert got == alone
+    shared = [step for step in steps if id(mine.cache) in step and len(step) > 1]
+    assert len(shared) >= sampled.max_new_tokens // 2  # (each row's first pass may come a step apart)
 
 
 def long_tool() -> Tool:

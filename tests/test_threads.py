@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +62,14 @@ def test_a_bad_model_threads_is_a_clear_error(monkeypatch, value):
 
 
 def test_without_a_setting_the_model_gets_every_core(monkeypatch):
+    """Every core this process may use (its affinity, which a container or taskset narrows), else every core."""
     monkeypatch.delenv("MODEL_THREADS", raising=False)
-    assert model_threads() >= 1
+    assert model_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)  # 3 of the machine's cores
+    assert model_threads() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")  # (no affinity call on this system)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert model_threads() == 6
 
 
 def tiny_llama():
