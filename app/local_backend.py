@@ -172,7 +172,8 @@ class SegmentSteps:
         try:
             if self.first:
                 self.first = False
-                run.prefill_tokens, run.cached_tokens = fed - len(drafts), hit  # (drafts are not prompt)
+                # (neither drafts nor the tokens the guide forced before the first pass are prompt)
+                run.prefill_tokens, run.cached_tokens = fed - len(drafts) - self.added, hit
             tokens, chosen_by = self.backend._choose(logits, drafts, settings, self.generator, self.guide)
             if drafts:
                 full = len(tokens) > len(drafts)

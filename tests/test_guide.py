@@ -183,3 +183,12 @@ def test_a_custom_prompt_without_the_markers_works_with_the_guide_on_and_off(tin
         episode = engine.ask(prime(engine), "Hi", Settings(max_new_tokens=8, guide=guide))
         assert episode.segments and episode.segments[0].kind == "model"
         assert episode.segments[0].text.startswith("Result =") is guide
+
+
+def test_text_forced_before_the_first_pass_is_the_segments_not_prompt(tiny_llama):
+    """With no call left (max_turns 0) the reply can only be the answer line: `Result =` is forced before the
+    segment's first pass, fed with the question, and counted as the segment's tokens, not as prefilled prompt."""
+    _, episode = guided_turn(tiny_llama, " 5<submit>", max_turns=0)
+    (answer,) = episode.segments
+    assert answer.text.startswith("Result =") and answer.token_provenance()[0] is Provenance.FORCED
+    assert answer.prefill_tokens + answer.cached_tokens == answer.start
