@@ -8,6 +8,11 @@ stream and are appended to the session's ids, which stay the ground truth. The s
 reuse come from the server (llama.cpp `timings.prompt_n` / `cache_n`, vLLM `usage.prompt_tokens_details`);
 where it reports nothing they stay None, shown as "not reported".
 
+With the guide on (app.guide), the segment's GBNF grammar goes with the request (llama.cpp `grammar`, vLLM
+`structured_outputs: {"grammar": ...}`; never vLLM's old `guided_grammar`, which it now ignores), and the tokens
+that come back are replayed through the same grammar here (app.guide_matcher.replay): their provenance, and a
+clear error where the server did not keep to it. A server cannot say which tokens its grammar steered.
+
 Environment: MODEL_SERVER_URL (base URL), MODEL_SERVER_KIND (`llama.cpp` or `vllm`; detected when unset),
 MODEL_SERVER_MODEL (vLLM's served model name; default its first), MODEL_SERVER_API_KEY (sent as a bearer token),
 MODEL_SERVER_TIMEOUT_S (default 60: connecting, and the longest wait for the next streamed event).
@@ -15,6 +20,7 @@ MODEL_SERVER_TIMEOUT_S (default 60: connecting, and the longest wait for the nex
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -27,6 +33,8 @@ from typing import TYPE_CHECKING
 
 from app.backend import BackendError, SegmentRun, server_parallel
 from app.decoding import Limit, Stop, StopReason
+from app.episode import Provenance
+from app.guide_matcher import GuideError, GuideVocab, replay
 from app.kvcache import TokenCache
 from app.model import load_tokenizer, special_token_texts
 from app.protocol import STOP_STRINGS, encode
@@ -81,11 +89,15 @@ class LlamaCpp:
     def warm(self, server: ModelServer, ids: list[int]) -> None:
         server.post_json(self.path, {"prompt": ids, "n_predict": 0, "cache_prompt": True})  # evaluate, generate none
 
-    def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int) -> dict:
-        return {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(STOP_STRINGS),
+    def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int,
+                grammar: str | None = None) -> dict:
+        body = {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(STOP_STRINGS),
                 "cache_prompt": settings.use_cache, "return_tokens": True, "timings_per_token": True,
                 "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0, "min_p": 0.0,
                 "seed": seed}
+        if grammar is not None:
+            body["grammar"] = grammar  # GBNF
+        return body
 
     def parse(self, event: dict, server: ModelServer) -> Piece:
         _raise_error_event(event, server)
@@ -135,13 +147,16 @@ class Vllm:
     def warm(self, server: ModelServer, ids: list[int]) -> None:
         server.post_json(self.path, {"model": self.model, "prompt": ids, "max_tokens": 1})  # vLLM needs >= 1
 
-    def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int) -> dict:
+    def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int,
+                grammar: str | None = None) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "stop": list(STOP_STRINGS),
                 "include_stop_str_in_output": True, "return_token_ids": True,
                 "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
         if not settings.use_cache:
             body["cache_salt"] = uuid.uuid4().hex  # no earlier request shares it: nothing is reused
+        if grammar is not None:  # (v0.12 removed `guided_grammar`: sent now, it would be ignored without a word)
+            body["structured_outputs"] = {"grammar": grammar}
         return body
 
     def parse(self, event: dict, server: ModelServer) -> Piece:
@@ -244,12 +259,13 @@ class ServerBackend:
         max_tokens = min(settings.max_new_tokens, room)
         limit = Limit.MAX_LENGTH if room <= settings.max_new_tokens else Limit.MAX_NEW_TOKENS
         # a seed per position: reproducible, yet each segment samples differently
-        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32)
+        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32, run.grammar)
         run.prefill_tokens = run.cached_tokens = None  # until the server reports them
         texts: list[str] = []
         exact = True  # every generated id came back (llama.cpp skips those of a character split across tokens)
+        ended = False  # the segment ran to its end here (not closed by its reader, not failed)
         try:
-            with self.server.stream(self.dialect.path, body) as stream:
+            with self._stream(body, run.grammar) as stream:
                 for event in stream.events(cancel):
                     piece = self.dialect.parse(event, self.server)
                     self._check_ids(piece, run.generated_tokens, max_tokens)
@@ -266,15 +282,58 @@ class ServerBackend:
                         yield piece.text
             if run.stop is None and not (cancel is not None and cancel.is_set()):
                 raise BackendError(f"model server {self.server.url} ended the stream before the completion ended")
+            ended = True
         except BackendError:
             cache.truncate(start)  # the failed segment leaves no tokens: the session is as before it
             run.stop, run.generated_tokens = Stop(StopReason.ERROR), 0
             raise
         finally:
-            if not exact and (run.stop is None or run.stop.reason is not StopReason.ERROR):
-                self._retokenize(cache, start, "".join(texts), max_tokens)
+            if run.stop is None or run.stop.reason is not StopReason.ERROR:
+                if not exact:
+                    self._retokenize(cache, start, "".join(texts), max_tokens)
+                if run.grammar is not None:  # (closed by its reader too: every token kept has its provenance)
+                    self._replay(cache, start, run, raise_error=ended)
         if run.stop is None:
             run.stop = Stop(StopReason.CANCELLED)
+
+    def _stream(self, body: dict, grammar: str | None):
+        """Open the completion stream; a grammar the server rejects is said to be the guide's."""
+        try:
+            return self.server.stream(self.dialect.path, body)
+        except ServerHTTPError as error:
+            said = str(error).split(f"HTTP {error.status}: ", 1)[-1]  # the server's own message
+            if grammar is not None and "grammar" in said.lower():  # llama.cpp: "... failed to parse grammar"
+                raise BackendError(f"model server {self.server.url} rejected the guide's grammar (HTTP "
+                                   f"{error.status}: {said}): switch guided answers off (the page's Guided "
+                                   f"answers, `guide: false` in the API, --no-guide in the CLI) to ask it "
+                                   f"without one") from None
+            raise
+
+    @functools.cached_property
+    def guide_vocab(self) -> GuideVocab:
+        """The guide's view of the tokenizer (app.guide_matcher), built once when a guided segment first ends."""
+        with self.lock:  # the tokenizer
+            return GuideVocab(self.tokenizer, eos_ids(self.tokenizer))
+
+    def _replay(self, cache: TokenCache, start: int, run: SegmentRun, raise_error: bool) -> None:
+        """Who chose each token the server added (run.provenance), by the segment's grammar: forced where it fixed
+        the next text, else the model's; whether the grammar steered a token the server does not say. Tokens that
+        break the grammar mean the server did not apply it: the segment fails (rolled back), with a BackendError
+        where `raise_error` (not while its reader closes it)."""
+        try:
+            chosen_by = replay(self.guide_vocab, run.grammar, cache.ids[start:])
+        except GuideError as error:
+            cache.truncate(start)
+            run.stop, run.generated_tokens = Stop(StopReason.ERROR), 0
+            message = (f"the model server {self.server.url} did not apply the guide's grammar ({error}): a server "
+                       f"that ignores grammars cannot give guided answers; switch guided answers off to use it")
+            if raise_error:
+                raise BackendError(message) from None
+            log.warning("%s", message)
+            return
+        run.provenance = (run.provenance or []) + chosen_by
+        run.steered_known = False
+        run.generated_tokens = sum(p is not Provenance.FORCED for p in chosen_by)
 
     def _check_ids(self, piece: Piece, generated: int, max_tokens: int) -> None:
         vocab = len(self.tokenizer)
@@ -307,6 +366,12 @@ class ServerBackend:
                     self.server.url)
         cache.truncate(start)
         cache.extend(ids)
+
+
+def eos_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id(s), which end a grammar's text as they end a completion."""
+    value = getattr(tokenizer, "eos_token_id", None)
+    return frozenset([value] if isinstance(value, int) else [int(v) for v in value or ()])
 
 
 def detect_kind(server: ModelServer) -> str:

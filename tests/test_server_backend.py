@@ -2,6 +2,10 @@
 GGUF, on loopback. llama.cpp's output differs from the in-process float32 path, so these tests check behaviour
 (tool calls, stop reasons recorded from the server, ids, cache reuse), not token identity.
 
+Most tests run with the guide off: they check what the server writes and reports itself (with the guide on, a
+question a tool claims opens with the engine's own call, which no request carries). The guided tests send each
+segment's grammar through a recording proxy (tests/http_peers.proxy).
+
 TEXTENV_TEST_SERVER_URL runs the same checks against a server that is already running (scripts/check_vllm.sh
 does this for vLLM); the tests that start, kill or inspect llama.cpp's own server are skipped then."""
 
@@ -14,6 +18,7 @@ import sys
 import threading
 import time
 import types
+from dataclasses import replace
 
 import gradio as gr
 import pytest
@@ -22,6 +27,7 @@ from app.backend import BackendError
 from app.compare import compare
 from app.decoding import Limit, StopReason
 from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
+from app.episode import Provenance
 from app.llama_server import LlamaServer, free_port
 from app.protocol import CALL, STOP_STRINGS
 from app.server_backend import ServerBackend
@@ -29,10 +35,12 @@ from app.server_client import ModelServer
 from app.sessions import SessionStore
 from components.compare import compare_markdown
 from components.handlers import ChatService
+from tests.http_peers import proxy
 
 EXTERNAL = os.environ.get("TEXTENV_TEST_SERVER_URL")
 llama_only = pytest.mark.skipif(EXTERNAL is not None, reason="starts, kills or inspects llama.cpp's own server")
-SETTINGS = Settings(max_new_tokens=48, max_length=4096)
+SETTINGS = Settings(max_new_tokens=48, max_length=4096, guide=False)  # the server writes alone
+GUIDED = replace(SETTINGS, guide=True)
 STORIES = "You write very long stories.\n"  # no few-shot answers, which end a turn after a line or two
 # (sums the model does not know by heart: since the prompt has more greetings answered without a tool, the server's
 # Q4_1 model answers "What is 7 + 5?" with "Result = 12" directly)
@@ -106,12 +114,12 @@ def test_search_episode(engine):
 
 def test_max_new_tokens_and_max_length_stops(engine):
     session = engine.new_session()
-    episode = engine.ask(session, "What is 41 * 23?", Settings(max_new_tokens=3, max_length=4096, max_turns=0))
+    episode = engine.ask(session, "What is 41 * 23?", replace(SETTINGS, max_new_tokens=3, max_turns=0))
     (segment,) = episode.segments
     assert segment.stop.reason is StopReason.MAX_LENGTH and segment.stop.limit is Limit.MAX_NEW_TOKENS
     assert segment.generated_tokens == 3 and segment.end - segment.start == 3
     room = len(session.cache) + 20  # the next question (~12 tokens) leaves a few tokens: the session's limit
-    episode = engine.ask(session, "What is 12 * 9?", Settings(max_new_tokens=48, max_length=room))
+    episode = engine.ask(session, "What is 12 * 9?", replace(SETTINGS, max_length=room))
     last = episode.segments[-1]
     assert last.stop.reason is StopReason.MAX_LENGTH and last.stop.limit is Limit.MAX_LENGTH
     assert len(session.cache) == room
@@ -125,7 +133,7 @@ def test_second_turn_reuses_the_servers_prefix_cache_and_cache_off_reuses_nothin
     # all of turn 1 comes from the server's cache, but for its last token (llama.cpp) or last partial block (vLLM)
     assert second.cached_tokens >= before - 16
     assert second.prefill_tokens == second.start - second.cached_tokens and second.prefill_tokens < 40
-    off = engine.ask(session, "What is 100 - 37?", Settings(max_new_tokens=48, max_length=4096, use_cache=False))
+    off = engine.ask(session, "What is 100 - 37?", replace(SETTINGS, use_cache=False))
     first_off = off.segments[0]
     assert first_off.cached_tokens == 0 and first_off.prefill_tokens == first_off.start  # cache_prompt: false
 
@@ -133,7 +141,7 @@ def test_second_turn_reuses_the_servers_prefix_cache_and_cache_off_reuses_nothin
 def test_stop_mid_segment_closes_the_stream_and_the_session_stays_usable(engine, backend):
     session = engine.new_session(STORIES)
     cancel = threading.Event()
-    long = Settings(max_new_tokens=400, max_length=4096, max_turns=0)
+    long = replace(SETTINGS, max_new_tokens=400, max_turns=0)
     events = []
     for event in engine.turn(session, "Write a long story about a robot.", long, cancel=cancel):
         events.append(event)
@@ -175,7 +183,7 @@ def test_server_killed_mid_turn_is_a_clear_error_and_the_next_turn_works_after_a
         before = list(session.cache.ids)
         with pytest.raises(BackendError, match=f"model server {llama.url}"):
             for event in engine.turn(session, "Write a long story about a robot.",
-                                     Settings(max_new_tokens=400, max_length=4096, max_turns=0)):
+                                     replace(SETTINGS, max_new_tokens=400, max_turns=0)):
                 if isinstance(event, TextDelta):
                     llama.stop()
         failed = session.episodes[-1].segments[-1]
@@ -266,3 +274,120 @@ def test_compare_maps_the_cache_switch_to_the_servers_prompt_cache(engine):
     assert on.cached_tokens >= on.start - 16 and off.cached_tokens == 0 and off.prefill_tokens == off.start
     assert not result.stopped and len(session.episodes) == 1  # forks: the chat itself is unchanged
     assert f"| tokens reused, all segments | {result.cached.reused_tokens} | 0 |" in compare_markdown(result)
+
+
+# ---- guided answers (app.guide) on the server: the grammar goes with the request ---------------------------------
+REJECTED = ("model server {url} rejected the guide's grammar (HTTP 400: Failed to initialize samplers: failed to "
+            "parse grammar): switch guided answers off (the page's Guided answers, `guide: false` in the API, "
+            "--no-guide in the CLI) to ask it without one")
+
+
+@pytest.fixture(scope="module")
+def proxied(server_url, server_tokenizer):
+    """An engine whose requests go through a proxy that records them (httpd.requests: (path, body) pairs)."""
+    httpd, url = proxy(server_url)
+    with httpd:
+        engine = Engine(ServerBackend.connect(ModelServer(url, timeout_s=60), tokenizer=server_tokenizer,
+                                              kind=os.environ.get("MODEL_SERVER_KIND") or None,
+                                              model=os.environ.get("MODEL_SERVER_MODEL") or None))
+        yield engine, httpd
+        httpd.shutdown()
+
+
+def completions(httpd) -> list[dict]:
+    """The segments' requests (not the tokenizer's, nor the prompt's warm-up), in order."""
+    return [body for path, body in httpd.requests if path in ("/completion", "/v1/completions") and body.get("stream")]
+
+
+def grammar_of(body: dict) -> str | None:
+    return body.get("grammar") or (body.get("structured_outputs") or {}).get("grammar")
+
+
+@pytest.mark.parametrize("question, tool, begins", [
+    ("What is 41 * 23?", "Calculator", "Result = 943"),
+    ("What does grok mean?", "Search", "Result = grok: To understand."),
+])
+def test_guide_on_the_answer_begins_with_the_tools_output_and_its_tokens_say_who_chose_them(proxied, question,
+                                                                                            tool, begins):
+    engine, httpd = proxied
+    httpd.requests.clear()
+    episode = engine.ask(engine.new_session(), question, GUIDED)
+    call, output, answer = episode.segments  # the call is claimed: the engine's own, no request
+    assert output.kind == "tool" and output.tool == tool and output.ok
+    assert episode.answer.startswith(begins), episode.answer
+    if tool == "Calculator":
+        assert not episode.answer[len(begins):][:1].isdigit()  # 943, not 9431
+    (sent,) = completions(httpd)  # the answer's request carries the engine's grammar for it
+    assert grammar_of(sent) == engine.guide(GUIDED, None, output, calls=True).grammar
+    assert call.provenance == [Provenance.FORCED] * (call.end - call.start) and call.generated_tokens == 0
+    ids = episode.token_ids[answer.start - episode.query_start:answer.end - episode.query_start]
+    assert len(answer.provenance) == len(ids) and set(answer.provenance) <= {Provenance.MODEL, Provenance.FORCED}
+    forced = "".join(engine.backend.tokenizer.decode([t]) for t, p in zip(ids, answer.provenance)
+                     if p is Provenance.FORCED)
+    assert begins.split("= ", 1)[1] in forced  # the tool's text is the grammar's, not the model's
+    assert answer.generated_tokens == len(ids) - answer.forced_tokens
+    assert answer.steered_tokens is None  # a server does not say which tokens its grammar steered
+    data = episode.to_json()
+    assert data["guide"] is True
+    assert data["segments"][2]["guided"] == {"forced_tokens": answer.forced_tokens, "steered_tokens": None}
+
+
+def test_guide_off_the_server_writes_freely(proxied):
+    engine, httpd = proxied
+    httpd.requests.clear()
+    episode = engine.ask(engine.new_session(), "What is 41 * 23?", SETTINGS)
+    sent = completions(httpd)
+    assert len(sent) == len(episode.model_segments) == 2  # the call is the model's too: no claimed call
+    assert all("grammar" not in body and "structured_outputs" not in body for body in sent)
+    assert all(s.provenance is None and s.generated_tokens == s.end - s.start for s in episode.model_segments)
+    data = episode.to_json()
+    assert data["guide"] is False and not any("guided" in s for s in data["segments"])
+
+
+@llama_only
+def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_the_session_goes_on(
+        server_url, server_tokenizer):
+    """llama.cpp's own answer to a grammar it cannot parse (HTTP 400), through a proxy that breaks the grammar
+    of every guided request until `broken` is cleared."""
+    broken = threading.Event()
+    broken.set()
+
+    def change(path: str, body: dict) -> dict:
+        return {**body, "grammar": "root ::= ("} if broken.is_set() and "grammar" in body else body
+
+    httpd, url = proxy(server_url, change)
+    with httpd:
+        expected = REJECTED.format(url=url)
+        backend = ServerBackend.connect(ModelServer(url, timeout_s=60), tokenizer=server_tokenizer)
+        engine = Engine(backend)
+        session = engine.new_session()
+        with pytest.raises(BackendError) as caught:
+            engine.ask(session, "What is 41 * 23?", GUIDED)
+        assert str(caught.value) == expected
+        failed = session.episodes[-1].segments[-1]
+        assert failed.stop.reason is StopReason.ERROR and failed.start == failed.end == len(session.cache)
+        # the same session answers its next question (the guide off: no grammar for the server to reject)
+        episode = engine.ask(session, "What is 12 * 9?", SETTINGS)
+        assert episode.error is None and episode.segments[1].text.startswith("108")
+
+        service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
+        page = types.SimpleNamespace(session_hash="page-1")
+        outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
+                                    service_prompt(), page))
+        assert outputs[-1][2] == f"error: {expected}"
+        with pytest.raises(gr.Error, match="rejected the guide's grammar") as caught:
+            service.api_ask("What is 12 * 9?")
+        assert expected in str(caught.value)
+        assert "error" not in service.api_ask("What is 12 * 9?", {"guide": False})
+
+        env = {**os.environ, "MODEL_SERVER_URL": url}
+        done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?", "--max-length", "4096"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 1 and f"[error: {expected}]" in done.stdout, (done.stdout, done.stderr)
+
+        broken.clear()  # the page's session goes on: its next guided turn is answered
+        outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
+                                    service_prompt(), page))
+        assert outputs[-1][2] == "done"
+        assert service.store.get("page-1").session.episodes[-1].answer.startswith("Result = 943")
+        httpd.shutdown()

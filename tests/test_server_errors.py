@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from dataclasses import replace
 
 import pytest
 
 from app.backend import BackendError
 from app.decoding import StopReason
-from app.engine import Engine, Settings
+from app.engine import Engine, Settings, TextDelta
+from app.episode import Provenance
+from app.protocol import SUBMIT, encode
 from app.server_backend import LlamaCpp, ServerBackend
 from app.server_client import ModelServer, error_message
 from tests.http_peers import serve
@@ -95,3 +98,98 @@ def test_bad_urls_and_error_bodies():
     assert error_message(b'{"error": "bad prompt"}') == "bad prompt"
     assert error_message(b'{"detail": "Not Found"}') == "Not Found"
     assert error_message(b"<html>oops</html>") == "<html>oops</html>"
+
+
+# ---- the guide's grammar (app.guide) -----------------------------------------------------------------------------
+GRAMMAR_400 = (b'{"error": {"code": 400, "message": "Failed to initialize samplers: failed to parse grammar", '
+               b'"type": "invalid_request_error"}}')  # llama.cpp's own answer (../shared/notes/stack-facts.md)
+ONE_LINE = Settings(max_new_tokens=16, max_turns=0)  # one segment: the answer line
+
+
+def llama_stream(tokenizer, text: str, stop: str) -> bytes:
+    """llama.cpp's stream of `text`, ended by the stop string `stop` (which its `content` leaves out)."""
+    ids = encode(tokenizer, text + stop)
+    events = [{"content": text, "tokens": ids, "stop": False, "tokens_predicted": len(ids)},
+              {"content": "", "tokens": [], "stop": True, "stop_type": "word", "stopping_word": stop,
+               "tokens_predicted": len(ids), "timings": {"prompt_n": 5, "cache_n": 0}}]
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def test_a_grammar_the_server_rejects_is_said_to_be_the_guides_and_the_next_turn_works(server_tokenizer):
+    answer = llama_stream(server_tokenizer, "Result = 5", SUBMIT)
+    requests = []
+    httpd, url = serve(lambda body: (400, GRAMMAR_400) if "grammar" in body else (200, answer), requests=requests)
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
+        session = engine.new_session(use_cache=False)
+        before = list(session.cache.ids)
+        with pytest.raises(BackendError) as caught:
+            engine.ask(session, "Hi!", ONE_LINE)
+        assert str(caught.value) == (
+            f"model server {url} rejected the guide's grammar (HTTP 400: Failed to initialize samplers: failed to "
+            f"parse grammar): switch guided answers off (the page's Guided answers, `guide: false` in the API, "
+            f"--no-guide in the CLI) to ask it without one")
+        assert requests[-1]["grammar"] == engine.guide(ONE_LINE, None, None, calls=False).grammar
+        failed = session.episodes[-1].segments[-1]
+        assert failed.stop.reason is StopReason.ERROR and failed.start == failed.end == len(session.cache)
+        assert session.cache.ids[:len(before)] == before
+        episode = engine.ask(session, "Hi!", replace(ONE_LINE, guide=False))  # the same session goes on
+        assert episode.answer == "Result = 5" and "grammar" not in requests[-1]
+        httpd.shutdown()
+
+
+def test_a_server_that_ignores_the_grammar_fails_the_segment_and_the_session_goes_on(server_tokenizer):
+    """An answer that breaks the grammar came from a server that did not apply it (an older vLLM ignored unknown
+    fields): not passed off as guided."""
+    httpd, url = serve(llama_stream(server_tokenizer, "Hello there", SUBMIT))
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
+        session = engine.new_session(use_cache=False)
+        before = list(session.cache.ids)
+        with pytest.raises(BackendError, match=f"^the model server {url} did not apply the guide's grammar "):
+            engine.ask(session, "Hi!", ONE_LINE)
+        failed = session.episodes[-1].segments[-1]
+        assert failed.stop.reason is StopReason.ERROR and failed.start == failed.end == len(session.cache)
+        assert failed.generated_tokens == 0 and session.cache.ids[:len(before)] == before
+        episode = engine.ask(session, "Hi!", replace(ONE_LINE, guide=False))
+        assert episode.answer == "Hello there" and episode.segments[-1].provenance is None
+        httpd.shutdown()
+
+
+def test_a_guided_answer_from_the_server_records_who_chose_each_token(server_tokenizer):
+    httpd, url = serve(llama_stream(server_tokenizer, "Result = 5", SUBMIT))
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
+        segment = engine.ask(engine.new_session(use_cache=False), "Hi!", ONE_LINE).segments[-1]
+        httpd.shutdown()
+    ids = encode(server_tokenizer, "Result = 5" + SUBMIT)
+    assert segment.end - segment.start == len(ids) == len(segment.provenance)
+    # "Result =" is the only reply the grammar allows without tools; then the model chose
+    prefix = len(encode(server_tokenizer, "Result ="))
+    assert segment.provenance[:prefix] == [Provenance.FORCED] * prefix
+    assert Provenance.MODEL in segment.provenance[prefix:] and Provenance.STEERED not in segment.provenance
+    assert segment.steered_tokens is None and segment.generated_tokens == len(ids) - segment.forced_tokens
+
+
+def test_a_guided_segment_closed_mid_stream_keeps_the_provenance_of_its_tokens(server_tokenizer):
+    """The page's Stop closes the turn (and the segment's stream) between two events: the tokens kept still say
+    who chose them."""
+    ids = encode(server_tokenizer, "Result = 5")
+    event = {"content": "Result = 5", "tokens": ids, "stop": False, "tokens_predicted": len(ids)}
+    stalled = threading.Event()
+    httpd, url = serve(f"data: {json.dumps(event)}\n\n".encode(), hold=stalled)
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
+        session = engine.new_session(use_cache=False)
+        turn = engine.turn(session, "Hi!", ONE_LINE)
+        try:
+            for item in turn:
+                if isinstance(item, TextDelta):
+                    turn.close()
+        finally:
+            stalled.set()
+        httpd.shutdown()
+    segment = session.episodes[-1].segments[-1]
+    assert segment.stop.reason is StopReason.CANCELLED and segment.end == len(session.cache)
+    assert session.cache.ids[segment.start:] == ids and len(segment.provenance) == len(ids)
+    assert segment.provenance[0] is Provenance.FORCED and segment.steered_tokens is None

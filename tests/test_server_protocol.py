@@ -12,7 +12,7 @@ from app.backend import BackendError
 from app.compare import Comparison
 from app.decoding import Stop, StopReason
 from app.engine import Engine, Settings
-from app.episode import Episode, Segment
+from app.episode import Episode, Provenance, Segment
 from app.protocol import CALL, encode
 from app.server_backend import End, LlamaCpp, ServerBackend, Vllm
 from app.server_client import ModelServer
@@ -76,10 +76,47 @@ def test_missing_ids_of_a_split_character_are_rebuilt_from_the_text(server_token
     with httpd:
         engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
         session = engine.new_session(use_cache=False)
-        segment = engine.ask(session, "Say é!", Settings(max_new_tokens=8, max_turns=0)).segments[0]
+        segment = engine.ask(session, "Say é!", Settings(max_new_tokens=8, max_turns=0, guide=False)).segments[0]
         httpd.shutdown()
     assert segment.stop.reason is StopReason.EOS
     assert session.cache.ids[segment.start:] == encode(server_tokenizer, "é!") and segment.text == "é!"
+
+
+def test_a_guided_segment_rebuilt_from_its_text_has_the_provenance_of_its_rebuilt_ids(server_tokenizer):
+    ids = encode(server_tokenizer, "Result = é!")
+    events = [{"content": "Result = é!", "tokens": ids[:-2], "stop": False, "tokens_predicted": len(ids)},
+              {"content": "", "tokens": [], "stop": True, "stop_type": "eos", "stopping_word": "",
+               "tokens_predicted": len(ids), "timings": {"prompt_n": 5, "cache_n": 0}}]
+    httpd, url = serve("".join(f"data: {json.dumps(e)}\n\n" for e in events).encode())
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
+        session = engine.new_session(use_cache=False)
+        segment = engine.ask(session, "Say é!", Settings(max_new_tokens=16, max_turns=0)).segments[0]
+        httpd.shutdown()
+    assert session.cache.ids[segment.start:] == ids and len(segment.provenance) == len(ids)
+    assert segment.provenance[0] is Provenance.FORCED and segment.steered_tokens is None
+
+
+def test_vllm_gets_the_guides_grammar_as_structured_outputs(server_tokenizer):
+    """vLLM's current field; its old `guided_grammar` / `guided_regex` are ignored without a word since v0.12."""
+    text = "Result = 5<submit>"
+    answer = chunk(text, encode(server_tokenizer, text), finish="stop", stop_reason="<submit>")
+    requests = []
+    httpd, url = serve(f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n".encode(), requests=requests)
+    with httpd:
+        engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), Vllm("m"), server_tokenizer, 4096))
+        guided = Settings(max_new_tokens=16, max_turns=0)
+        episode = engine.ask(engine.new_session(use_cache=False), "Hi!", guided)
+        free = engine.ask(engine.new_session(use_cache=False), "Hi!", Settings(max_new_tokens=16, max_turns=0,
+                                                                               guide=False))
+        httpd.shutdown()
+    on, off = requests
+    assert on["structured_outputs"] == {"grammar": engine.guide(guided, None, None, calls=False).grammar}
+    assert not {"guided_grammar", "guided_regex", "grammar"} & set(on)
+    assert "structured_outputs" not in off and not {"guided_grammar", "guided_regex", "grammar"} & set(off)
+    segment = episode.segments[-1]
+    assert episode.answer == "Result = 5" and segment.forced_tokens > 0 and segment.steered_tokens is None
+    assert free.answer == "Result = 5" and free.segments[-1].provenance is None
 
 
 def test_counts_a_server_did_not_report_show_as_not_reported():
