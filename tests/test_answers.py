@@ -93,7 +93,22 @@ def test_a_look_up_answers_with_the_best_entry_it_found(engine, question, query)
         entry = tool.text.removesuffix(RESPONSE).split("\n")[0]  # (the first of several: the best)
         assert tool.tool == "Search"
         assert episode.answer.startswith(f"Result = {entry}"), (episode.answer, entry)
-    assert answers[0].token_ids == answers[1].token_ids  # cache on and off: the same tokens
+        # the quoted entry is the guide's, not the model's: each of its tokens forced or steered, but the last, where
+        # the grammar lets the line go on (")" or ")<" of ")<submit>": the model picks which)
+        answer = episode.segments[-1]
+        quoted = answer.text.index(entry)
+        ends = [len(engine._decode(episode.token_ids[answer.start - episode.query_start:][:n]))
+                for n in range(1, answer.end - answer.start + 1)]
+        inside = [p for p, end in zip(answer.token_provenance(), ends) if quoted + len(entry) > end > quoted + 1]
+        assert inside and all(p.value in ("forced", "steered") for p in inside), inside
+    assert answers[0].token_ids == answers[1].token_ids  # cache on and off: the same tokens and provenance
+    assert answers[0].provenance == answers[1].provenance
+
+
+def test_with_the_guide_off_every_token_of_the_reply_is_the_models(engine):
+    episode = engine.ask(engine.new_session(), "Explain what a daemon is.", dataclasses.replace(PAGE, guide=False))
+    assert set(episode.provenance) <= {"user", "tool", "model"} and "model" in episode.provenance
+    assert episode.mask == [int(p == "model") for p in episode.provenance]
 
 
 @pytest.mark.parametrize("question, error", [
