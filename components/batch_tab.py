@@ -5,13 +5,14 @@ episodes offered as a JSONL download."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
+import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 
 from app.engine import Episode, EpisodeFinished
 from app.rewards import builtin_questions
@@ -85,11 +86,12 @@ class BatchTab:
 
 
 def episodes_download(run: BatchRun) -> gr.DownloadButton:
-    """The Download button holding `run`'s episodes as JSONL. The file is written to a folder of this request's
-    own (never a name another visitor's batch could share), which goes as soon as the button holds it: building
-    the button copies the file into Gradio's cache (a folder named by the content's hash), whence it is served."""
-    folder = tempfile.mkdtemp(prefix="textenv-batch-")
-    try:
-        return gr.DownloadButton(value=str(write_episodes(run.episodes, folder)), interactive=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    """The Download button holding `run`'s episodes as JSONL, written to a folder of this request's own inside
+    Gradio's cache folder: Gradio serves it from there and, with the page's delete_cache, deletes it once it is an
+    hour old. The folder's name is 128 random bits (secrets), so no other visitor's batch shares it or can guess
+    its address (tempfile's names come from a predictable generator). (Written anywhere else, Gradio copies the
+    file into its cache only after the handler has returned the button: a folder removed by then left a dead
+    link.)"""
+    folder = Path(get_upload_folder()) / f"textenv-batch-{secrets.token_hex(16)}"
+    folder.mkdir(mode=0o700, parents=True)
+    return gr.DownloadButton(value=str(write_episodes(run.episodes, folder)), interactive=True)

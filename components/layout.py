@@ -34,7 +34,7 @@ def launch_kwargs() -> dict:
 def build_demo(service: ChatService | None = None) -> gr.Blocks:
     service = service or ChatService()
     turns = concurrent_turns()  # turns (and Compare, Batch, API calls) that run at once: 1 in process
-    # (delete_cache: Gradio's copies of the Batch tab's downloads go after an hour, checked hourly)
+    # (delete_cache: the Batch tab's downloads, in Gradio's cache folder, go after an hour, checked hourly)
     with gr.Blocks(title="TextEnv Chat", delete_cache=(3600, 3600)) as demo:
         gr.Markdown("# TextEnv Chat\nA small model that calls tools (calculator, Jargon File search) "
                     "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
@@ -50,8 +50,9 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             send = gr.Button("Send", elem_id="send", variant="primary")
                             stop = gr.Button("Stop", elem_id="stop", variant="stop")
                             new_chat = gr.Button("New chat", elem_id="new-chat")
-                            compare = gr.Button("Compare cache", elem_id="compare")
-                            compare_guide = gr.Button("Compare guide", elem_id="compare-guide")
+                        with gr.Row():  # (five in one row broke "Compare cache" over two lines in Chromium)
+                            compare = gr.Button("Compare cache", elem_id="compare", size="md")
+                            compare_guide = gr.Button("Compare guide", elem_id="compare-guide", size="md")
                         status = gr.Markdown("ready", elem_id="status")
                         gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
                         compare_result = gr.Markdown(
@@ -74,7 +75,9 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                     f"{MAX_BATCH}). The batch runs with the settings, tools and system prompt "
                                     "on the right, twice: KV cache on, then off. A reward is 1 when the answer "
                                     "after `Result =` is exactly the expected one (thousands separators aside), "
-                                    "as in TRL's exact-match reward.")
+                                    "as in TRL's exact-match reward. **Download episodes** gives the cache-on "
+                                    "run's episodes as JSONL, one a line: question, token_ids, mask (0 for the "
+                                    "tokens the guide forced), provenance and reward, as a TRL trainer takes them.")
                         batch_questions = gr.Textbox(elem_id="batch-questions", label="Questions", lines=6,
                                                      max_lines=20, placeholder="What is 41 * 23? | 943")
                         with gr.Row():

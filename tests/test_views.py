@@ -4,12 +4,13 @@ tiny forced model (tests/conftest.py), with the custom system prompt and tool su
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 import pytest
-
-import json
+from gradio.utils import get_upload_folder
 
 from app.compare import Comparison, GuideComparison
 from app.decoding import Limit, Stop, StopReason
@@ -253,7 +254,9 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
     assert status == "done" and outputs[0][2] == "running"
     assert outputs[0][3].interactive is False and all(o[3] == gr.skip() for o in outputs[1:-1])
     assert download.interactive is True and download.value["orig_name"] == "batch-episodes.jsonl"
-    lines = [json.loads(line) for line in open(download.value["path"], encoding="utf-8")]  # (Gradio's copy)
+    path = Path(download.value["path"])  # in Gradio's cache folder, which serves it, in a folder of its own
+    assert path.parent.parent == Path(get_upload_folder()).resolve() and path.parent.name.startswith("textenv-batch-")
+    lines = [json.loads(line) for line in open(path, encoding="utf-8")]
     assert [line["question"] for line in lines] == ["What is 41 * 23?", "What is ninety-six over eight?"]
     assert [line["reward"] for line in lines] == [1.0, 0.0]
     for line in lines:
@@ -396,10 +399,14 @@ def test_compare_guide_runs_the_question_with_the_guide_on_and_off_and_leaves_th
 
 def test_a_guided_batchs_jsonl_marks_the_guides_tokens_out_of_the_mask(tiny_llama):
     service = writing_service(tiny_llama, ALONE)
+    *_, (_, _, _, first) = service.batch("What is 1 + 1?", True, 4096, 24, 4, 0, TOOLS, default_prompt_template(),
+                                         request("other"), guide=True)
+    path = Path(first.value["path"])
     *_, (_, _, status, download) = service.batch(f"{CLAIMED} | 8", True, 4096, 24, 4, 0, TOOLS,
                                                  default_prompt_template(), request(), guide=True)
     assert plain(status) == "done"
     (line,) = [json.loads(line) for line in open(download.value["path"], encoding="utf-8")]
+    assert Path(download.value["path"]).parent != path.parent  # (each batch's file in a folder of its own)
     assert line["guide"] is True and line["question"] == CLAIMED and line["answer"].startswith("Result = 8")
     assert line["reward"] == exact_match(line["answer"], "8")  # (the tiny model writes on after the 8)
     provenance, mask = line["provenance"], line["mask"]
