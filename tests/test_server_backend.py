@@ -29,7 +29,7 @@ from app.decoding import Limit, StopReason
 from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
 from app.episode import Provenance
 from app.llama_server import LlamaServer, free_port
-from app.protocol import CALL, STOP_STRINGS
+from app.protocol import CALL, CUT_STOPS, STOP_STRINGS
 from app.server_backend import ServerBackend
 from app.server_client import ModelServer
 from app.sessions import SessionStore
@@ -74,6 +74,29 @@ def text_of(backend, ids) -> str:
     return backend.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def assert_stop_recorded(backend, session, segment, settings: Settings) -> None:
+    """However the server's segment stopped (the model's words are the server's), its record says so in full and
+    the session's ids agree: a check for every way, each of which fails the test if its record is wrong."""
+    stop, ids = segment.stop, session.cache.ids[segment.start:segment.end]
+    assert segment.generated_tokens <= settings.max_new_tokens
+    if stop.reason is StopReason.STRING_MATCH:  # <submit>, or another of app.protocol.STOP_STRINGS
+        assert stop.string in STOP_STRINGS and stop.limit is None
+        if stop.string in CUT_STOPS:  # not part of the answer: its tokens left the ids
+            assert stop.string not in text_of(backend, ids) and segment.generated_tokens > len(ids)
+        else:  # the server cuts the stop word from its text; the session's ids still end with it, as in process
+            assert text_of(backend, ids).endswith(stop.string) and segment.generated_tokens == len(ids)
+    elif stop.reason is StopReason.EOS:
+        assert (stop.string, stop.limit) == (None, None) and segment.generated_tokens == len(ids)
+    elif stop.reason is StopReason.MAX_LENGTH:
+        assert stop.string is None and segment.generated_tokens == len(ids)
+        if stop.limit is Limit.MAX_NEW_TOKENS:
+            assert segment.generated_tokens == settings.max_new_tokens
+        else:
+            assert stop.limit is Limit.MAX_LENGTH and segment.end == settings.max_length
+    else:
+        pytest.fail(f"a server's segment cannot stop by {stop}")
+
+
 @llama_only
 def test_detects_llama_cpp_and_its_context(backend, server_url):
     assert backend.dialect.kind == "llama.cpp"
@@ -90,10 +113,8 @@ def test_calculator_episode_calls_the_tool_and_records_the_servers_stops(engine,
     assert "41" in tool.query and "23" in tool.query and tool.text.startswith("943")
     # the server cuts the stop word from its text; the session's ids still end with it, as in process
     assert text_of(backend, session.cache.ids[first.start:first.end]).endswith(CALL)
-    assert last.stop.reason in (StopReason.STRING_MATCH, StopReason.EOS, StopReason.MAX_LENGTH)
-    if last.stop.reason is StopReason.STRING_MATCH:  # <submit>, or another of app.protocol.STOP_STRINGS
-        assert last.stop.string in STOP_STRINGS and last.stop.string != CALL
-        assert text_of(backend, session.cache.ids[last.start:last.end]).endswith(last.stop.string)
+    assert last.kind == "model" and last.stop.string != CALL  # the answer after the tool's result
+    assert_stop_recorded(backend, session, last, SETTINGS)
     assert episode.backend == backend.name and episode.to_json()["backend"] == backend.name
     assert episode.total_tokens == len(session.cache) and all(s.ms > 0 for s in episode.segments)
     # every model segment reports the server's prefill: new + reused = its start position
@@ -102,14 +123,15 @@ def test_calculator_episode_calls_the_tool_and_records_the_servers_stops(engine,
         assert segment.generated_tokens == segment.end - segment.start
 
 
-def test_search_episode(engine):
-    episode = engine.ask(engine.new_session(), "What does kludge mean?", SETTINGS)
+def test_search_episode(engine, backend):
+    session = engine.new_session()
+    episode = engine.ask(session, "What does kludge mean?", SETTINGS)
     first, tool = episode.segments[0], episode.segments[1]
     assert first.stop.string == CALL and tool.tool == "Search" and "kludge" in tool.query.lower()
     assert tool.ok and "kludge" in tool.text.lower()
     last = episode.segments[-1]
-    if last.stop.reason is StopReason.MAX_LENGTH:
-        assert last.stop.limit is Limit.MAX_NEW_TOKENS and last.generated_tokens == SETTINGS.max_new_tokens
+    assert last.kind == "model" and last.stop.string != CALL  # the answer after the tool's result
+    assert_stop_recorded(backend, session, last, SETTINGS)
 
 
 def test_max_new_tokens_and_max_length_stops(engine):
