@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import replace
 import sys
 import threading
 import time
@@ -25,7 +26,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import Engine, TextDelta  # noqa: E402
+from app.engine import Engine, Settings, TextDelta  # noqa: E402
 from app.model import load_model  # noqa: E402
 from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
 WORDS = ["kludge", "cruft", "foobar", "wizard", "daemon", "frob", "hack", "bogus"]
@@ -40,23 +41,24 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def run_chat(engine: Engine, chat: int, start: threading.Barrier | None, out: list) -> None:
+def run_chat(engine: Engine, chat: int, start: threading.Barrier | None, out: list, settings: Settings) -> None:
     session = engine.new_session()
     if start is not None:
         start.wait()
     for turn, question in enumerate(questions(chat)):
         sent, first = time.perf_counter(), None
-        for event in engine.turn(session, question, PAGE):
+        for event in engine.turn(session, question, settings):
             if first is None and isinstance(event, TextDelta):
                 first = time.perf_counter()
         episode = session.episodes[-1]
         out.append(dict(chat=chat, turn_no=turn, ttft=(first or time.perf_counter()) - sent, turn=time.perf_counter() - sent,
-                        tokens=sum(s.generated_tokens for s in episode.model_segments), answer=episode.answer))
+                        tokens=sum(s.end - s.start for s in episode.model_segments), answer=episode.answer))
+        # (tokens: every token the model segments wrote, the guide's forced ones too: the scheduler's work)
 
 
-def round_of(engine: Engine, chats: int) -> dict:
+def round_of(engine: Engine, chats: int, settings: Settings) -> dict:
     start, out = threading.Barrier(chats + 1), []
-    threads = [threading.Thread(target=run_chat, args=(engine, c, start, out)) for c in range(chats)]
+    threads = [threading.Thread(target=run_chat, args=(engine, c, start, out, settings)) for c in range(chats)]
     for t in threads:
         t.start()
     start.wait()
@@ -74,28 +76,30 @@ def main() -> int:
     parser.add_argument("--chats", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=3, help="runs of every measurement (the table: medians)")
     parser.add_argument("--chart", type=Path, help="write a chart of tokens/s and p95 TTFT to this file")
+    parser.add_argument("--no-guide", action="store_true", help="guided answers off (the page's default: on)")
     args = parser.parse_args()
+    settings = replace(PAGE, guide=not args.no_guide)
     if args.repeat < 1 or 1 not in args.chats:
         parser.error("--repeat must be at least 1, and --chats must hold 1 (the baseline)")
     engine = Engine(load_model())
-    engine.ask(engine.new_session(), "What is 1 + 1?", PAGE)  # warm up: the shared prompt cache, first passes
+    engine.ask(engine.new_session(), "What is 1 + 1?", settings)  # warm up: the shared prompt cache, first passes
     gc.freeze()  # as app.py does once warm: what lives as long as the process stays out of the collector's scans
     alone: list = []  # every chat by itself, for its own turn times
     for _ in range(args.repeat):
         for chat in range(max(args.chats)):
-            run_chat(engine, chat, None, alone)
+            run_chat(engine, chat, None, alone, settings)
     solo_turn = {key: median(r["turn"] for r in alone if (r["chat"], r["turn_no"]) == key)
                  for key in {(r["chat"], r["turn_no"]) for r in alone}}
     runs = {n: [] for n in args.chats}
     for _ in range(args.repeat):
         for n in args.chats:
-            r = round_of(engine, n)
+            r = round_of(engine, n, settings)
             runs[n].append(dict(tps=r["tokens"] / r["seconds"], tokens=r["tokens"], ttft_p95=r["ttft_p95"],
                                 turn_p95=r["turn_p95"],
                                 worst=max(row["turn"] / solo_turn[row["chat"], row["turn_no"]] for row in r["rows"])))
     rounds = [dict(chats=n, **{k: median(run[k] for run in runs[n]) for k in runs[n][0]}) for n in args.chats]
     solo = rounds[args.chats.index(1)]
-    print(f"medians of {args.repeat} runs")
+    print(f"medians of {args.repeat} runs; guide {'off' if args.no_guide else 'on'}")
     print(f"| chats at once | tokens generated | tokens/s | × 1 chat | p95 TTFT, s | × 1 chat | p95 turn, s | "
           f"worst turn / its solo turn |")
     print("|---|---|---|---|---|---|---|---|")
@@ -107,10 +111,10 @@ def main() -> int:
     sequential, together, same = [], [], True
     for _ in range(args.repeat):
         began = time.perf_counter()
-        one_by_one = [engine.ask(engine.new_session(), q, PAGE) for q in batch_questions]
+        one_by_one = [engine.ask(engine.new_session(), q, settings) for q in batch_questions]
         sequential.append(time.perf_counter() - began)
         began = time.perf_counter()
-        batched = engine.run(batch_questions, PAGE)
+        batched = engine.run(batch_questions, settings)
         together.append(time.perf_counter() - began)
         same = same and all(a.token_ids == b.token_ids for a, b in zip(one_by_one, batched))
     print(f"\nEngine.run, 8 questions: one after another {median(sequential):.2f} s, as one batch "
