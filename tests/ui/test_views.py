@@ -3,6 +3,7 @@ max_new_tokens keep each check to seconds on a 2-core CPU; every wait is on an e
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -75,6 +76,20 @@ def test_batch_tab_with_builtin_questions(open_page):
     expect(summary).to_contain_text(re.compile(r"total time, cache off: [\d.]+ s"))
     expect(summary).to_contain_text("identical answers: yes")
     page.screenshot(path=str(OUT / "batch.png"), full_page=True)
+    # the episodes as JSONL, one line each, as a trainer reads them
+    download = page.locator("#batch-download")
+    expect(download).to_be_enabled()
+    with page.expect_download() as info:
+        download.click()
+    assert info.value.suggested_filename == "batch-episodes.jsonl"
+    lines = [json.loads(line) for line in open(info.value.path(), encoding="utf-8")]
+    assert [line["question"] for line in lines] == ["What is 41 * 23?", questions.input_value().splitlines()[1]
+                                                    .rpartition("|")[0].strip()]
+    for line in lines:
+        assert len(line["token_ids"]) == len(line["mask"]) == len(line["provenance"]) > 0
+        assert line["reward"] in (0.0, 1.0) and line["guide"] is True
+        assert all(m == (p in ("model", "steered")) for m, p in zip(line["mask"], line["provenance"]))
+    assert "forced" in lines[0]["provenance"]  # (the Calculator's claim and the answer's number: the guide's)
     # bad input is a clear message; the server stays up
     questions.fill("")
     assert click_and_wait(page, "batch-run", "batch-status").startswith("error: no questions")
