@@ -45,7 +45,9 @@ def test_ask_no_cache_and_tiny_budgets():
     (result,) = [json.loads(line) for line in out.stdout.splitlines()]
     assert result["cache"] == {"enabled": False, "prefill_tokens": result["total_tokens"] - 3, "reused_tokens": 0}
     (segment,) = result["segments"]
-    assert (segment["stop_reason"], segment["limit"], segment["generated_tokens"]) == ("max_length", "max_new_tokens", 3)
+    assert (segment["stop_reason"], segment["limit"]) == ("max_length", "max_new_tokens")
+    # three tokens: the model's, and those the guide forced (the rest of `<request><` once the model wrote `<`)
+    assert segment["generated_tokens"] + segment["guided"]["forced_tokens"] == 3
 
 
 @pytest.mark.parametrize("args, message", [
