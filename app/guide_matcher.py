@@ -33,7 +33,8 @@ class GuideVocab:
 
     def __init__(self, tokenizer, eos_ids: Iterable[int]):
         self.size = len(tokenizer)
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.size, eos_token=sorted(eos_ids))
+        eos = sorted(eos_ids) or None  # (None: the tokenizer's own EOS; llguidance refuses an empty list)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.size, eos_token=eos)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -192,3 +192,8 @@ def test_text_forced_before_the_first_pass_is_the_segments_not_prompt(tiny_llama
     (answer,) = episode.segments
     assert answer.text.startswith("Result =") and answer.token_provenance()[0] is Provenance.FORCED
     assert answer.prefill_tokens + answer.cached_tokens == answer.start
+
+
+def test_a_model_without_eos_ids_still_gets_a_guide(tokenizer):
+    """Regression (review): llguidance refuses an empty EOS list; the tokenizer's own EOS is used instead."""
+    GuideVocab(tokenizer, frozenset()).check(build_guide(TOOLS).grammar)
