@@ -1,16 +1,48 @@
 """Shared fixtures: the real bundled model (loaded once), tiny random-weight llama and gpt2 models on its
-tokenizer, and a wrapper that forces chosen tokens so deterministic tool loops run on real forward passes."""
+tokenizer, and a wrapper that forces chosen tokens so deterministic tool loops run on real forward passes.
+The run ends with one line counting its skips by reason (pytest_terminal_summary, pytest_unconfigure)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import Counter
 
 import pytest
 import torch
 
 from app.model import LoadedModel, load_model, load_tokenizer, wrap
 from app.protocol import encode
+
+_SKIP_LINE = pytest.StashKey[str]()
+
+
+def skip_reason(report) -> str:
+    """A skipped test's reason as given to skip/skipif, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    return "(no reason given)" if reason in ("", "Skipped") else reason
+
+
+def skip_line(reports) -> str:
+    """"skipped: 39 needs AMX tiles, AMX int8: not in /proc/cpuinfo; 6 ..." (most first), or "skipped: none"."""
+    counts = Counter(skip_reason(report) for report in reports)
+    return "skipped: " + ("; ".join(f"{n} {reason}" for reason, n in counts.most_common()) or "none")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # the counts are taken here, where pytest shows its summary, and written in pytest_unconfigure, after
+    # pytest's own last line ("3 passed, 39 skipped in ..."), so the skip count is the run's last line
+    if not config.option.collectonly:
+        config.stash[_SKIP_LINE] = skip_line(terminalreporter.stats.get("skipped", []))
+
+
+def pytest_unconfigure(config):
+    line = config.stash.get(_SKIP_LINE, None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if line is not None and reporter is not None:
+        reporter.write_line(line, yellow=line != "skipped: none")
 
 
 @pytest.fixture(scope="session")
