@@ -5,6 +5,8 @@
     python3 benchmarks/answer_quality.py --set dev     # the tuning set instead of the reported one
     python3 benchmarks/answer_quality.py --set wide    # 40 more tuning look-ups (ending and tool only), 88 sums
     python3 benchmarks/answer_quality.py --weights float32 int8   # both formats, and every answer that differs
+    python3 benchmarks/answer_quality.py --backend local server --guide on off   # guided answers on and off, in
+                                                   # process and through llama.cpp's server (one column each)
 
 Each question runs greedy in a fresh session (the page's first turn); then the built-in Batch questions
 (assets/batch_questions.json) run as one batch. The reported ("test") look-ups are
@@ -12,11 +14,16 @@ Jargon File headwords that appear nowhere in the system prompt; their key phrase
 entry's opening sense before any run. The "dev" set (the look-up words of the issue that reported the problem,
 and arithmetic and chit-chat questions of its own, written before any run) is the one changes are tried on, so
 that no reported question, look-up, arithmetic or greeting, is tuned on.
+
+`--backend server` starts llama.cpp's own server on the bundled GGUF (Q4_1) the way the tests do
+(app.llama_server; built by scripts/build_llama_server.sh) and asks it through the app's server backend, with the
+same prompt, settings and guide (the guide's grammar goes with each request).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 import sys
@@ -28,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.decoding import StopReason  # noqa: E402
 from app.engine import Engine, Episode, Settings  # noqa: E402
-from app.model import WEIGHT_FORMATS, load_model, weight_format  # noqa: E402
+from app.model import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
 from app.rewards import builtin_questions, exact_match, submitted  # noqa: E402
 
@@ -243,17 +250,36 @@ def main() -> int:
     parser.add_argument("--episodes", action="store_true", help="print every episode")
     parser.add_argument("--prompt", type=Path, help="a prompt template file instead of the default")
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=[weight_format()],
-                        help="formats to run, one after another (the first is compared with the others)")
+                        help="formats to run in process, one after another (the first column is compared with the "
+                             "others)")
+    parser.add_argument("--backend", nargs="+", choices=("local", "server"), default=["local"],
+                        help="in process (local) and/or through llama.cpp's server on the bundled GGUF (server)")
+    parser.add_argument("--guide", nargs="+", choices=("on", "off"), default=None,
+                        help="guided answers on and/or off (default: on, the page's setting)")
     args = parser.parse_args()
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
+    guides = args.guide or ["on"]
+
+    def label(name: str, guide: str) -> str:  # (the default run's column keeps its old name: the weights)
+        return name if args.guide is None else f"{name}, guide {guide}"
 
     runs = {}
-    for weights in args.weights:
-        loaded = load_model(weights=weights)
-        engine = Engine(loaded, prompt=prompt)
-        print(f"\n{weights}: system prompt {len(engine.new_session().cache)} tokens; settings: {PAGE}")
-        runs[weights] = run_set(engine, args.set, PAGE, args.episodes)
-        loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
+    for where in args.backend:
+        if where == "local":
+            for weights in args.weights:
+                loaded = load_model(weights=weights)
+                for guide in guides:
+                    runs[label(weights, guide)] = measure(Engine(loaded, prompt=prompt), guide, args)
+                loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
+        else:
+            from app.llama_server import LlamaServer
+            from app.server_backend import ServerBackend
+            from app.server_client import ModelServer
+
+            with LlamaServer() as llama:  # as the tests start it: 4 slots of 4,096 tokens, 2 threads, loopback
+                server = ServerBackend.connect(ModelServer(llama.url, timeout_s=120), tokenizer=load_tokenizer())
+                for guide in guides:
+                    runs[label("llama-server", guide)] = measure(Engine(server, prompt=prompt), guide, args)
     print_table(args.set, runs)
     first, *others = runs
     for other in others:
@@ -263,6 +289,13 @@ def main() -> int:
         for question, before, after in changed:
             print(f"- {question}\n    {before!r}\n    {after!r}")
     return 0
+
+
+def measure(engine: Engine, guide: str, args) -> dict:
+    settings = dataclasses.replace(PAGE, guide=guide == "on")
+    print(f"\n{engine.backend.name}, guide {guide}: system prompt {len(engine.new_session().cache)} tokens; "
+          f"settings: {settings}")
+    return run_set(engine, args.set, settings, args.episodes)
 
 
 def print_table(which: str, runs: dict[str, dict]) -> None:
