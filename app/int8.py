@@ -8,7 +8,7 @@ products run exactly on fbgemm's int8 kernel (`ExactWeight`), else on float hard
 
 Where `_int_mm` is fast, few tokens (`FEW_TOKENS`) still go to a kernel that reads a weight laid out once:
 `_int_mm` re-lays its weight out at every call, a cost that does not shrink with the tokens (a one-row decode
-step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; README "Model"). That kernel is app.int8_mm's where
+step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; docs/model-and-kernels.md). That kernel is app.int8_mm's where
 the C library has VNNI (no fixed cost per call), else fbgemm's (~20 us a call).
 
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
@@ -75,7 +75,7 @@ class ExactWeight:
     activations, and sums in int32. It is called with the activations' quantization given (scale 1, zero point
     64: every part's integer value passes unchanged, whoever shares the call) and the weight's scale 1, so the
     result is the int32 sum as a float. Against the fp16-held weights it replaced, on an AVX2 EPYC: half the
-    bytes, a 1,000-token prefill 3.03 against 4.27 s, decode within noise (benchmarks/decode_bench.py, README).
+    bytes, a 1,000-token prefill 3.03 against 4.27 s, decode within noise (benchmarks/decode_bench.py, docs/performance.md).
     (`linear_dynamic`, which it replaced, picked a scale per call from its input's ends, so every call carried a
     calibration row and a scan of its input: at decode 1.2-2.4x the time of this call, e.g. gate/up 202 vs
     150 us, q/k/v 117 vs 49 us, the LM head 1.58 vs 1.21 ms, on two cores.)

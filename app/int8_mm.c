@@ -42,7 +42,7 @@ int mm_int8_available(void) { return HAVE_VNNI; }
 #if HAVE_AMX
 /* Linux lends a process the tile unit's registers only once asked (arch_prctl): asked once, the answer kept.
  * TEXTENV_AMX=0 keeps the tiles off (the VNNI loop and torch._int_mm instead: the same sums), for a host whose
- * tiles misbehave (llama.cpp's AMX kernels once crashed on one of this kind's machines; see the README). */
+ * tiles misbehave (llama.cpp's AMX kernels once crashed on one of this kind's machines; see docs/model-and-kernels.md). */
 static int amx_allowed(void) {
     static int state; /* 0: not asked yet, 1: allowed, -1: refused (a race asks twice: harmless) */
     int s = __atomic_load_n(&state, __ATOMIC_RELAXED);

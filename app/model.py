@@ -149,8 +149,8 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
 def weight_format() -> str:
     """WEIGHTS: "int8" (the default: integer matmuls, app.int8) or "float32" (for exact comparisons). int8's decode
     step measured 0.45-0.65x float32's where the CPU has VNNI (0.71-0.81x on an AVX-512 Xeon, whose float32 is
-    twice as fast), with the same answer quality or better (README);
-    without VNNI it runs on fbgemm's int8 kernel (the same bits, app.int8.ExactWeight; README for its speed)."""
+    twice as fast), with the same answer quality or better (docs/answer-quality-history.md); without VNNI it runs
+    on fbgemm's int8 kernel (the same bits, app.int8.ExactWeight; docs/model-and-kernels.md for its speed)."""
     value = os.environ.get("WEIGHTS", "").strip().lower() or WEIGHT_FORMATS[0]
     if value not in WEIGHT_FORMATS:
         raise ValueError(f"WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_FORMATS)}")

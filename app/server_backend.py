@@ -242,7 +242,7 @@ class ServerBackend:
     def prefill(self, cache: TokenCache) -> None:
         """Send a shared system prompt once (nothing generated), so the server's prefix cache holds it before the
         first visitor, as the in-process backend prefills it once. llama.cpp keeps a prefix per slot: sessions
-        that land on another slot prefill it there once (see the README's measurements)."""
+        that land on another slot prefill it there once (see docs/model-server.md)."""
         key = hash(tuple(cache.ids))
         with self._warm_lock:
             if key in self._warmed:

@@ -11,7 +11,7 @@
 # weights as in process, dequantized); VLLM: the command that runs vLLM's CLI (default `vllm`); VLLM_ARGS: more
 # `vllm serve` flags (e.g. --enforce-eager); VLLM_LOG: the server's log file. Where FlashInfer is not installed,
 # set VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM 0.25.1 imports it for its sampler otherwise). Passed on an H200
-# (vLLM 0.25.1, 2026-12-04): see the README's "Model server backend".
+# (vLLM 0.25.1, 2026-12-04): see docs/model-server.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${VLLM_MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
