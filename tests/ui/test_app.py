@@ -1,5 +1,5 @@
 """The app in real Chromium, with the real bundled model: every check waits on elements the app owns
-(the `#status` text, chat messages), never on network calls."""
+(the `#status` text, chat messages), never on network calls; a turn's end as tests.ui.waits reads it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.ui.conftest import OUT, ROOT, TURN_MS
+from tests.ui.waits import before, wait_ended
 
 pytestmark = pytest.mark.ui
 
@@ -31,14 +32,13 @@ def set_number(page: Page, elem_id: str, value: float) -> None:
 
 
 def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
-    """Type and send a message; wait until the turn has left the previous status, then for its final one."""
-    status_box = page.locator("#status")
-    previous = status_box.inner_text()
+    """Type and send a message; wait for this turn's end (tests.ui.waits: the chat's messages or the status line
+    changed, nothing in progress, a final status), then check its status."""
+    mark = before(page)
     page.locator("#msg textarea").fill(text)
     page.locator("#send").click()
-    expect(status_box).not_to_have_text(previous, timeout=TURN_MS)
-    expect(status_box).to_have_text(FINAL, timeout=TURN_MS)
-    expect(status_box).to_have_text(DONE if status is None else status)
+    wait_ended(mark)
+    expect(page.locator("#status")).to_have_text(DONE if status is None else status)
 
 
 # A story example: greedy, the bundled model then tells "a long story about a robot" past 120 tokens
@@ -46,8 +46,6 @@ def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
 STORIES = ("Stories\n\nQ: Tell me a story about a cat.\nOnce upon a time, a cat lived in a small house by the sea. "
            "Every morning she walked along the beach, and every evening she told the fishermen what she had seen. "
            "One day she found a bottle with a letter inside, and that was the start of a long journey.\n")
-# (the element's text has surrounding whitespace; "done · ended by …" where the model did not end its answer)
-FINAL = re.compile(r"^\s*(done( · [^\n]*)?\s*|error: [\s\S]*)$")
 DONE = re.compile(r"^\s*done( · ended by [^\n·]*)?\s*$")  # (tests' tiny max_new_tokens: "ended by max_length …")
 
 
@@ -193,14 +191,15 @@ def test_two_visitors_sending_at_once_both_see_their_message_waiting_then_their_
     one, two = open_page(), open_page()
     for page, text in ((one, "What is 12 * 12?"), (two, "What is 21 * 3?")):
         page.locator("#msg textarea").fill(text)
+    marks = [before(page) for page in (one, two)]
     one.locator("#send").click()
     two.locator("#send").click()
     for page, text in ((one, "What is 12 * 12?"), (two, "What is 21 * 3?")):
         expect(user_messages(page)).to_have_text([text], timeout=5_000)  # at once, not after the other's turn
         expect(bot_messages(page).last).to_contain_text(re.compile("waiting for the model|generating|stop:"))
     two.screenshot(path=str(OUT / "two-visitors.png"), full_page=True)
-    for page, answer in ((one, "144"), (two, "63")):
-        expect(page.locator("#status")).to_have_text(FINAL, timeout=TURN_MS)
+    for page, mark, answer in ((one, marks[0], "144"), (two, marks[1], "63")):
+        wait_ended(mark)
         assert answer in model_parts(page)[-1]
 
 
@@ -211,6 +210,7 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     set_number(page, "max-new-tokens", 24)
     set_number(page, "max-turns", 0)
     box = page.locator("#msg textarea")
+    mark = before(page)
     box.fill("Write a long story about a robot who learns to paint.")  # 24 tokens of text, no tool call
     page.locator("#send").click()
     # the turn has started (shown at once; its answer may be short: the model may call a tool and stop there)
@@ -223,10 +223,11 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     expect(box).to_have_value("")
     box.fill("a draft I have not sent")
     expect(user_messages(page)).to_have_count(3, timeout=3 * TURN_MS)
-    # ("done" alone is not the end: a turn's final status may land after the next turn has started)
-    expect(page.locator("#chat")).not_to_contain_text("waiting for the model", timeout=3 * TURN_MS)
-    expect(bot_messages(page).filter(has_not=page.locator(".thought-group"))).to_have_count(3, timeout=3 * TURN_MS)
-    expect(page.locator("#status")).to_have_text(DONE, timeout=TURN_MS)
+    # ("done" alone is not the end: a turn's final status may land after the next turn has started; a message
+    # waiting for its turn shows "waiting for the model…" until that turn starts, so the three have ended when
+    # nothing in the chat is waiting or generating under a final status, in one reading of the page)
+    wait_ended(mark, timeout=3 * TURN_MS)
+    expect(page.locator("#status")).to_have_text(DONE)
     expect(user_messages(page)).to_have_text(
         ["Write a long story about a robot who learns to paint.", "What is 3 + 4?", "Say hi"])
     assert len(model_parts(page)) == 3

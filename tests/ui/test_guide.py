@@ -1,6 +1,6 @@
 """Guided answers in real Chromium with the real bundled model: the checkbox, the "guide" colour in the token
 view, Compare guide, and two visitors at once with the guide on and off. Every wait is on an element the app
-owns (the status line's final text)."""
+owns (a turn's end as tests.ui.waits reads it)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from components.tokens import COLOR_MAP
-from tests.ui.conftest import OUT, TURN_MS
-from tests.ui.test_app import FINAL, DONE, model_parts, send, set_number, tool_parts
+from tests.ui.conftest import OUT
+from tests.ui.test_app import DONE, model_parts, send, set_number, tool_parts
 from tests.ui.test_views import click_and_wait
+from tests.ui.waits import before, wait_ended
 
 pytestmark = pytest.mark.ui
 
@@ -89,13 +90,12 @@ def test_two_visitors_at_once_one_with_the_guide_off(open_page):
     set_guide(off, False)
     for page in (on, off):
         page.locator("#msg textarea").fill(LOOK_UP)
+    marks = [before(page) for page in (on, off)]
     for page in (on, off):
         page.locator("#send").click()
-    for page in (on, off):
-        status = page.locator("#status")
-        expect(status).not_to_have_text("ready", timeout=TURN_MS)
-        expect(status).to_have_text(FINAL, timeout=TURN_MS)
-        expect(status).to_have_text(DONE)
+    for page, mark in zip((on, off), marks):
+        wait_ended(mark)
+        expect(page.locator("#status")).to_have_text(DONE)
     assert GUIDED.search(model_parts(on)[-1]) and not any("guided:" in t for t in model_parts(off))
     expect(guide_tokens(on).first).to_be_visible()
     expect(guide_tokens(off)).to_have_count(0)

@@ -10,19 +10,18 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.ui.conftest import OUT, TURN_MS
-from tests.ui.test_app import FINAL, bot_messages, send, set_number, user_messages
+from tests.ui.test_app import bot_messages, send, set_number, user_messages
+from tests.ui.waits import before, wait_ended
 
 pytestmark = pytest.mark.ui
 
 
-def click_and_wait(page: Page, button: str, status_id: str = "status") -> str:
-    """Click a button; wait until the status has left its previous text, then for its final one."""
-    status = page.locator(f"#{status_id}")
-    previous = status.inner_text()
+def click_and_wait(page: Page, button: str, status_id: str = "status", result_id: str = "compare-result") -> str:
+    """Click a button; wait for the end of the work it started (tests.ui.waits: its status line or its result
+    changed, to a final status); its final status."""
+    mark = before(page, status_id, watched=(result_id,), chat=False)
     page.locator(f"#{button}").click()
-    expect(status).not_to_have_text(previous, timeout=TURN_MS)
-    expect(status).to_have_text(FINAL, timeout=TURN_MS)
-    return status.inner_text().strip()
+    return wait_ended(mark)
 
 
 def test_compare_shows_both_columns_and_identical_tokens(open_page):
@@ -65,7 +64,7 @@ def test_batch_tab_with_builtin_questions(open_page):
     page.locator("#batch-load").click()
     expect(questions).to_have_value(re.compile(r"\| 943\n"))
     questions.fill("\n".join(questions.input_value().splitlines()[:2]))
-    assert click_and_wait(page, "batch-run", "batch-status") == "done"
+    assert click_and_wait(page, "batch-run", "batch-status", "batch-summary") == "done"
     rows = page.locator("#batch-results div[role=row]")  # data rows (the header is a <tr>)
     expect(rows).to_have_count(2)
     expect(rows.first).to_contain_text("What is 41 * 23?")
@@ -92,7 +91,7 @@ def test_batch_tab_with_builtin_questions(open_page):
     assert "forced" in lines[0]["provenance"]  # (the Calculator's claim and the answer's number: the guide's)
     # bad input is a clear message; the server stays up
     questions.fill("")
-    assert click_and_wait(page, "batch-run", "batch-status").startswith("error: no questions")
+    assert click_and_wait(page, "batch-run", "batch-status", "batch-summary").startswith("error: no questions")
 
 
 def test_batch_stop_button_stops_the_run(open_page):
