@@ -208,15 +208,22 @@ def test_a_sum_is_left_to_the_model_where_no_tool_claims_it_or_no_call_may_run(t
                                       Settings(max_new_tokens=24, max_turns=1, draft_tokens=0),
                                       Settings(max_new_tokens=24, max_turns=1, temperature=0.8, seed=3)])
 def test_a_claimed_call_is_the_same_with_cache_off_drafts_off_sampling_and_in_a_batch(tiny_llama, settings):
+    """Each batch row is the solo run of its question with the seed the batch gives that row (Engine.stream_batch:
+    settings.seed + row), token for token, sampling included; the claimed call opens both."""
     engine = Engine(tiny_llama, tools=default_tools(), prompt=PROMPT)
     questions = ["What is 12 / (3 + 1)?", "Whats 99 + 1", "What is a kludge?"]
-    solo = [engine.ask(engine.new_session(seed=settings.seed), q, settings) for q in questions]
+    solo = [engine.ask(engine.new_session(seed=settings.seed + row), q, settings) for row, q in enumerate(questions)]
     batch = engine.run(questions, settings)
+    assert len(batch) == len(questions)
     for question, episode, row in zip(questions, solo, batch):
         claimed = engine.claimed_call(question)
         for one in (episode, row):
             assert (one.segments[0].text == claimed) == (claimed is not None), one.segments[0].text
-        assert row.token_ids == episode.token_ids or settings.temperature > 0  # (a batch row: its own seed)
+        assert row.token_ids == episode.token_ids, (question, [s.text for s in row.segments],
+                                                    [s.text for s in episode.segments])
+    if settings.temperature > 0:  # the rows' seeds matter: one seed for every row samples another answer
+        same_seed = [engine.ask(engine.new_session(seed=settings.seed), q, settings) for q in questions[1:]]
+        assert any(a.token_ids != b.token_ids for a, b in zip(same_seed, batch[1:]))
 
 
 def test_a_claimed_call_that_would_be_cut_is_left_to_the_model(tiny_llama, tokenizer):
