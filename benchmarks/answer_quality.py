@@ -7,6 +7,7 @@
     python3 benchmarks/answer_quality.py --weights float32 int8   # both formats, and every answer that differs
     python3 benchmarks/answer_quality.py --backend local server --guide on off   # guided answers on and off, in
                                                    # process and through llama.cpp's server (one column each)
+    python3 benchmarks/answer_quality.py --guide on off --floors   # CI (tests/test_answer_quality.py): exit 1 under FLOORS
 
 Each question runs greedy in a fresh session (the page's first turn); then the built-in Batch questions
 (assets/batch_questions.json) run as one batch. The reported ("test") look-ups are
@@ -164,8 +165,11 @@ CHITCHAT["wide"] = []
 class Tally:
     rows: list[dict] = field(default_factory=list)
 
+    def hits(self, key: str) -> int:
+        return sum(1 for row in self.rows if row[key])
+
     def rate(self, key: str) -> str:
-        hits = sum(1 for row in self.rows if row[key])
+        hits = self.hits(key)
         if not self.rows:
             return "-"
         return f"{hits}/{len(self.rows)} ({100 * hits / len(self.rows):.0f} %)"
@@ -256,7 +260,11 @@ def main() -> int:
                         help="in process (local) and/or through llama.cpp's server on the bundled GGUF (server)")
     parser.add_argument("--guide", nargs="+", choices=("on", "off"), default=None,
                         help="guided answers on and/or off (default: on, the page's setting)")
+    parser.add_argument("--floors", action="store_true",
+                        help="exit 1 where a test-set count is under its floor (FLOORS; CI runs this)")
     args = parser.parse_args()
+    if args.floors and args.set != "test":
+        parser.error("--floors are the test set's")
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
     guides = args.guide or ["on"]
 
@@ -281,6 +289,9 @@ def main() -> int:
                 for guide in guides:
                     runs[label("llama-server", guide)] = measure(Engine(server, prompt=prompt), guide, args)
     print_table(args.set, runs)
+    if args.floors and (under := under_floors(runs)):
+        print("\nunder the floors (benchmarks/answer_quality.py FLOORS):\n" + "\n".join(under))
+        return 1
     first, *others = runs
     for other in others:
         changed = [(q, a, runs[other]["answers"][q]) for q, a in runs[first]["answers"].items()
@@ -289,6 +300,28 @@ def main() -> int:
         for question, before, after in changed:
             print(f"- {question}\n    {before!r}\n    {after!r}")
     return 0
+
+
+# The test set's floors, a little below the counts of 2026-12-06 (int8, AMD EPYC Zen 4): guide on 25, 25 of 25
+# look-ups, 24, 24 of 24 sums, 8 of 8 greetings without a tool; guide off 22, 21, 24, 23, 8. (kind, measure) -> the
+# least count, per guide setting; a column's guide is read from its label ("..., guide off").
+FLOORS = {
+    "on": {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 23,
+           ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
+    "off": {("look-up", "clean"): 20, ("look-up", "key"): 19, ("arithmetic", "calc"): 22,
+            ("arithmetic", "correct"): 21, ("chit-chat", "no_tool"): 7},
+}
+
+
+def under_floors(runs: dict[str, dict]) -> list[str]:
+    """Each column's counts under their floor, as lines; a column is guided unless its label says "guide off"."""
+    under = []
+    for name, run in runs.items():
+        floors = FLOORS["off" if name.endswith("guide off") else "on"]
+        for (kind, key), least in floors.items():
+            if (got := run["tallies"][kind].hits(key)) < least:
+                under.append(f"- {name}: {kind} {key} {got}, floor {least}")
+    return under
 
 
 def measure(engine: Engine, guide: str, args) -> dict:
