@@ -90,6 +90,17 @@ class GuideMatcher:
             out = torch.cat([out, logits.new_full((logits.shape[0] - n,), float("-inf"))])
         return out, not (top < n and bool(allowed[top]))
 
+    def greedy(self, logits: torch.Tensor) -> tuple[int, bool]:
+        """The greedy choice among the tokens the grammar allows, and whether it was steered: the same token as
+        greedy(mask(logits)), without masking the vocabulary where the model's first choice is allowed."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bits, 0)
+        raw = logits.detach().float().numpy()
+        top = int(raw.argmax())
+        if top < self._vocab.size and (int(self._bits[0, top >> 5]) >> (top & 31)) & 1:
+            return top, False
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab.size].view(bool)
+        return int(np.where(allowed, raw[: self._vocab.size], -np.inf).argmax()), True
+
     def consume(self, tokens: list[int]) -> None:
         """The segment took these tokens (each allowed by the grammar)."""
         if tokens:

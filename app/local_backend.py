@@ -101,8 +101,14 @@ class LocalBackend:
         takes each token as it is chosen."""
         tokens, chosen_by = [], []
         for i in range(len(drafts) + 1):
-            row, steered = (logits[i], False) if guide is None else guide.mask(logits[i])
-            pick = next_token(row, settings.temperature, settings.top_p, generator) if not drafts else greedy(row)
+            if guide is None:
+                pick, steered = (greedy(logits[i]) if drafts else
+                                 next_token(logits[i], settings.temperature, settings.top_p, generator)), False
+            elif drafts or settings.temperature <= 0:
+                pick, steered = guide.greedy(logits[i])
+            else:
+                row, steered = guide.mask(logits[i])
+                pick = next_token(row, settings.temperature, settings.top_p, generator)
             tokens.append(pick)
             chosen_by.append(Provenance.STEERED if steered else Provenance.MODEL)
             if guide is not None:

@@ -2,8 +2,8 @@
 
     python3 benchmarks/guide_bench.py [--runs 5] [--weights int8]
 
-The guide's work per generated token, as app.local_backend.SegmentSteps does it: the grammar's mask applied to
-the logits (with the check whether the model's first choice was banned), the chosen token consumed, and the
+The guide's work per generated token, as app.local_backend.SegmentSteps does it greedy: the grammar's mask and
+the greedy choice under it (with the check whether the model's first choice was banned), the token consumed, and the
 forced text looked up for the next pass; timed over the tokens of real guided segments (a call, a look-up's
 answer, an arithmetic answer, a chit-chat answer). The decode step is the app's own model step
 (app.ragged.ragged_forward, one row, 2 threads) after ~800 tokens of context. Prints medians and the ratio.
@@ -51,7 +51,7 @@ def guide_us_per_token(loaded, runs: int) -> float:
         for guide, text in SEGMENTS:
             matcher = vocab.matcher(guide.grammar)
             for token in encode(tokenizer, text):
-                matcher.mask(logits)
+                matcher.greedy(logits)  # (greedy, the page's setting: app.local_backend.LocalBackend._choose)
                 matcher.consume([token])
                 if matcher.done:
                     break

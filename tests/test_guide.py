@@ -197,3 +197,20 @@ def test_text_forced_before_the_first_pass_is_the_segments_not_prompt(tiny_llama
 def test_a_model_without_eos_ids_still_gets_a_guide(tokenizer):
     """Regression (review): llguidance refuses an empty EOS list; the tokenizer's own EOS is used instead."""
     GuideVocab(tokenizer, frozenset()).check(build_guide(TOOLS).grammar)
+
+
+@pytest.mark.parametrize("text, seed", [("Result = 4", 0), ("Result = 4", 1), ("<request><Search>x", 2), ("", 3)])
+def test_the_greedy_shortcut_picks_what_the_masked_argmax_picks(vocab, tokenizer, text, seed):
+    import torch
+
+    from app.decoding import greedy
+
+    matcher = vocab.matcher(build_guide(TOOLS).grammar)
+    matcher.consume(encode(tokenizer, text))
+    torch.manual_seed(seed)
+    for boost in (None, encode(tokenizer, "\n")[0], encode(tokenizer, " 5")[0]):  # the model's first choice
+        logits = torch.randn(len(tokenizer))
+        if boost is not None:
+            logits[boost] = 50.0
+        masked, steered = matcher.mask(logits)
+        assert matcher.greedy(logits) == (greedy(masked), steered)
