@@ -72,7 +72,7 @@ def build_guide(tools: Mapping[str, int], owed: str | None = None, calls: bool =
         lines.append(f"answer ::= {literal(ANSWER_PREFIX)} text end")
     elif _NUMBER.fullmatch(owed):  # no more of the number after it ("943" is not "9431" or "943.5")
         lines.append(f"answer ::= {literal(ANSWER_PREFIX + ' ' + owed)} after")
-        lines.append('after ::= end | [^0-9.,eE\\n<] text end | [.,] [^0-9\\n<] text end')
+        lines.append('after ::= end | [^0-9.,eE\\n<] text end | [.,] ([^0-9\\n<] text)? end')
     else:
         lines.append(f"answer ::= {literal(ANSWER_PREFIX + ' ' + owed)} text end")
     if names:  # (a newline the model writes in the input ends it: `<call>` follows)

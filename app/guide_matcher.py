@@ -77,6 +77,9 @@ class GuideMatcher:
     def allowed(self) -> np.ndarray:
         """A boolean array over the vocabulary: the tokens the grammar allows next."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bits, 0)
+        return self._unpacked()
+
+    def _unpacked(self) -> np.ndarray:
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab.size].view(bool)
 
     def mask(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -98,8 +101,7 @@ class GuideMatcher:
         top = int(raw.argmax())
         if top < self._vocab.size and (int(self._bits[0, top >> 5]) >> (top & 31)) & 1:
             return top, False
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab.size].view(bool)
-        return int(np.where(allowed, raw[: self._vocab.size], -np.inf).argmax()), True
+        return int(np.where(self._unpacked(), raw[: self._vocab.size], -np.inf).argmax()), True
 
     def consume(self, tokens: list[int]) -> None:
         """The segment took these tokens (each allowed by the grammar)."""

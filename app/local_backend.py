@@ -101,6 +101,8 @@ class LocalBackend:
         takes each token as it is chosen."""
         tokens, chosen_by = [], []
         for i in range(len(drafts) + 1):
+            fixed = guide is not None and guide.is_forced()  # the grammar fixes the next text (its last token, which
+            # could merge with what follows, is left to a pass: whichever token spells it, the text is the guide's)
             if guide is None:
                 pick, steered = (greedy(logits[i]) if drafts else
                                  next_token(logits[i], settings.temperature, settings.top_p, generator)), False
@@ -110,7 +112,7 @@ class LocalBackend:
                 row, steered = guide.mask(logits[i])
                 pick = next_token(row, settings.temperature, settings.top_p, generator)
             tokens.append(pick)
-            chosen_by.append(Provenance.STEERED if steered else Provenance.MODEL)
+            chosen_by.append(Provenance.FORCED if fixed else Provenance.STEERED if steered else Provenance.MODEL)
             if guide is not None:
                 guide.consume([pick])
             if i == len(drafts) or pick != drafts[i] or (guide is not None and (guide.done or guide.is_forced())):

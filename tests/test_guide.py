@@ -63,6 +63,8 @@ GUIDES = {
     ("after a number", "\nResult = 24<submit>", False),
     ("after a number", "\nResult = -245<submit>", False),
     ("after a number", "\nResult = -24.5<submit>", False),
+    ("after a number", "\nResult = -24.<submit>", True),  # (a review: a full stop after the number was banned)
+    ("after a number", "\nResult = -24, or so<submit>", True),
     ("after a number", "\n<request><Calculator>-24 * 2<call>", True),
     ("after a look-up", '\nResult = grok: To "understand". \\o/ ½<submit>', True),
     ("after a look-up", '\nResult = grok: To "understand". \\o/ ½ More.<submit>', True),
@@ -214,3 +216,24 @@ def test_the_greedy_shortcut_picks_what_the_masked_argmax_picks(vocab, tokenizer
             logits[boost] = 50.0
         masked, steered = matcher.mask(logits)
         assert matcher.greedy(logits) == (greedy(masked), steered)
+
+
+def test_in_process_and_replayed_provenance_agree_where_the_grammar_fixes_a_tokens_text(tiny_llama, vocab):
+    """Regression (review): the last token of forced text, which llguidance leaves to a pass, was the model's in
+    process and forced in a server's replay: one rule now, forced wherever the grammar fixed the next text."""
+    session, episode = guided_turn(tiny_llama, "<request><Search>grok<call>", "\nResult = made up<submit>")
+    for segment in episode.model_segments:
+        if segment.forced_tokens == segment.end - segment.start and segment.generated_tokens == 0:
+            continue  # (the claimed call: the engine's text, no grammar)
+        grammar = episode_guide_grammar(episode, segment)
+        replayed = replay(vocab, grammar, session.cache.ids[segment.start:segment.end])
+        assert [p is Provenance.FORCED for p in segment.token_provenance()] == [
+            p is Provenance.FORCED for p in replayed]
+
+
+def episode_guide_grammar(episode, segment) -> str:
+    from app.guide import segment_guide
+
+    i = episode.segments.index(segment)
+    after = episode.segments[i - 1] if i and episode.segments[i - 1].kind == "tool" else None
+    return segment_guide(default_tools(), None, after, True).grammar
