@@ -31,7 +31,7 @@ class GuideVocab:
 
     COMPILED = 64  # grammars kept (each tool output makes one)
 
-    def __init__(self, tokenizer, eos_ids: Iterable[int]):
+    def __init__(self, tokenizer, eos_ids: Iterable[int] = ()):
         self.size = len(tokenizer)
         eos = sorted(eos_ids) or None  # (None: the tokenizer's own EOS; llguidance refuses an empty list)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.size, eos_token=eos)

@@ -313,7 +313,7 @@ class ServerBackend:
     def guide_vocab(self) -> GuideVocab:
         """The guide's view of the tokenizer (app.guide_matcher), built once when a guided segment first ends."""
         with self.lock:  # the tokenizer
-            return GuideVocab(self.tokenizer, eos_ids(self.tokenizer))
+            return GuideVocab(self.tokenizer)  # (the tokenizer's own EOS ends a grammar's text, as a completion)
 
     def _replay(self, cache: TokenCache, start: int, run: SegmentRun, raise_error: bool) -> None:
         """Who chose each token the server added (run.provenance), by the segment's grammar: forced where it fixed
@@ -366,12 +366,6 @@ class ServerBackend:
                     self.server.url)
         cache.truncate(start)
         cache.extend(ids)
-
-
-def eos_ids(tokenizer) -> frozenset[int]:
-    """The tokenizer's end-of-sequence id(s), which end a grammar's text as they end a completion."""
-    value = getattr(tokenizer, "eos_token_id", None)
-    return frozenset([value] if isinstance(value, int) else [int(v) for v in value or ()])
 
 
 def detect_kind(server: ModelServer) -> str:
