@@ -9,7 +9,7 @@ import gc
 import logging
 import os
 
-from app.backend import BackendError
+from app.backends import BackendError
 from components.handlers import ChatService
 from components.layout import build_demo, launch_kwargs
 

@@ -1,7 +1,7 @@
 """Command line: run episodes (`ask`) or a single tool (`tool`). User mistakes print one line to stderr.
 
 Import-light: `--help`, `tool` and argument errors never import torch, transformers or gradio; `ask` imports the
-model stack (app.engine, app.backend) only when it runs.
+model stack (app.engine, app.backends.base) only when it runs.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def _ask(args) -> int:
         clean_question(question)
     tools = get_tools(args.tools.split(",") if args.tools else None)
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
-    from app.backend import load_backend  # the model stack (torch, transformers): only past the checks above
-    from app.engine import Engine, in_row_order
+    from app.backends.select import load_backend  # the model stack (torch, transformers): only past the checks above
+    from app.engine.turns import Engine
+    from app.episode import in_row_order
 
     engine = Engine(load_backend(), tools=tools, prompt=prompt)
     settings.validated(engine.context_limit)

@@ -10,11 +10,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.decoding import Stop, StopReason
+from app.decoding.stops import Stop, StopReason
 
 
 class Provenance(str, enum.Enum):
-    """Who chose a model segment's token (app.guide)."""
+    """Who chose a model segment's token (app.decoding.guide)."""
 
     MODEL = "model"  # the model's own choice
     STEERED = "steered"  # the guide removed the token the model ranked first
@@ -109,7 +109,7 @@ class Episode:
     finished: bool = False
     error: str | None = None  # why the turn failed (the model or its server raised), when it did
     unrun_call: bool = False  # the answer ended with a tool call that max_turns left unrun
-    guide: bool = False  # whether the guide (app.guide) shaped the model segments
+    guide: bool = False  # whether the guide (app.decoding.guide) shaped the model segments
 
     UNRUN_NOTE = "the last tool call was not run: max_turns (tool calls per answer) was reached"
 

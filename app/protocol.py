@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 REQUEST, CALL, RESPONSE, SUBMIT = "<request>", "<call>", "<response>", "<submit>"
-ANSWER_PREFIX = "Result ="  # opens the final answer's line, which <submit> ends (app.guide)
+ANSWER_PREFIX = "Result ="  # opens the final answer's line, which <submit> ends (app.decoding.guide)
 QUESTION_PREFIX = "Q: "  # opens a question's line, in the prompt's examples and in each turn (app.engine)
 NEXT_QUESTION = "\nQ:"  # the model writing the few-shot format's next example: its answer is over
 # RESPONSE is the tools' marker, never the model's: a model that writes it (`<request><Calculator>1 + 2<response>`,

@@ -29,7 +29,7 @@ class Settings:
     use_cache: bool = True
     seed: int = 0
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
-    guide: bool = True  # guided answers (app.guide): a grammar per segment, every token it decides shown as such
+    guide: bool = True  # guided answers (app.decoding.guide): a grammar per segment, every token it decides shown as such
 
     def validated(self, context_limit: int) -> "Settings":
         checks = [

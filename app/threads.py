@@ -1,4 +1,4 @@
-"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.scheduler).
+"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.model.scheduler).
 
 Every thread that runs a parallel kernel gets an OpenMP thread pool of its own, and once a second pool exists,
 small kernels run about twice as slowly in every thread on this 2-core machine (measured: an int8 `_int_mm` of

@@ -17,7 +17,7 @@ and arithmetic and chit-chat questions of its own, written before any run) is th
 that no reported question, look-up, arithmetic or greeting, is tuned on.
 
 `--backend server` starts llama.cpp's own server on the bundled GGUF (Q4_1) the way the tests do
-(app.llama_server; built by scripts/build_llama_server.sh) and asks it through the app's server backend, with the
+(app.backends.llama_server; built by scripts/build_llama_server.sh) and asks it through the app's server backend, with the
 same prompt, settings and guide (the guide's grammar goes with each request).
 """
 
@@ -34,11 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.decoding import StopReason  # noqa: E402
-from app.engine import Engine, Episode, Settings  # noqa: E402
-from app.model import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402
+from app.decoding.stops import StopReason  # noqa: E402
+from app.engine.rewards import builtin_questions, exact_match, submitted  # noqa: E402
+from app.engine.turns import Engine  # noqa: E402
+from app.episode import Episode
+from app.model.loading import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
-from app.rewards import builtin_questions, exact_match, submitted  # noqa: E402
+from app.settings import Settings
 
 from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
 
@@ -280,9 +282,9 @@ def main() -> int:
                     runs[label(weights, guide)] = measure(Engine(loaded, prompt=prompt), guide, args)
                 loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
         else:
-            from app.llama_server import LlamaServer
-            from app.server_backend import ServerBackend
-            from app.server_client import ModelServer
+            from app.backends.llama_server import LlamaServer
+            from app.backends.server import ServerBackend
+            from app.backends.server_client import ModelServer
 
             with LlamaServer() as llama:  # as the tests start it: 4 slots of 4,096 tokens, 2 threads, loopback
                 server = ServerBackend.connect(ModelServer(llama.url, timeout_s=120), tokenizer=load_tokenizer())

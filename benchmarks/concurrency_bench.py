@@ -26,8 +26,10 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import Engine, Settings, TextDelta  # noqa: E402
-from app.model import load_model  # noqa: E402
+from app.engine.turns import Engine  # noqa: E402
+from app.episode import TextDelta
+from app.model.loading import load_model  # noqa: E402
+from app.settings import Settings
 from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
 WORDS = ["kludge", "cruft", "foobar", "wizard", "daemon", "frob", "hack", "bogus"]
 

@@ -4,7 +4,7 @@
 
 For each path, with 2 threads: ms per generated token after a context of 100 and of 1,500 tokens, and the time
 to prefill 1,000 tokens, medians over `--runs`. The in-process formats run the app's own model step
-(app.ragged.ragged_forward, one row, greedy, in a worker thread as in the app). llama.cpp runs as its own server
+(app.model.ragged.ragged_forward, one row, greedy, in a worker thread as in the app). llama.cpp runs as its own server
 (built by scripts/build_llama_server.sh from the llama-cpp-python 0.3.36 sources, the version the issue measured
 through llama-cpp-python), one slot, prompt cache off, and its own `timings` give the figures, so HTTP is not
 counted. All three read the same token ids: the system prompt and Jargon File entries, cut to length.
@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import app  # noqa: E402,F401  (first: one intra-op thread in every thread but the model's, app.threads)
 import torch  # noqa: E402
 
-from app.kvcache import new_kv  # noqa: E402
-from app.llama_server import LlamaServer  # noqa: E402
-from app.model import load_model  # noqa: E402
-from app.prompt import default_prompt_template, render_prompt  # noqa: E402
-from app.ragged import Row, ragged_forward  # noqa: E402
-from app.server_client import ModelServer  # noqa: E402
+from app.backends.llama_server import LlamaServer  # noqa: E402
+from app.backends.server_client import ModelServer  # noqa: E402
+from app.engine.prompt import default_prompt_template, render_prompt  # noqa: E402
+from app.model.kvcache import new_kv  # noqa: E402
+from app.model.loading import load_model  # noqa: E402
+from app.model.ragged import Row, ragged_forward  # noqa: E402
 from app.threads import use_model_threads  # noqa: E402
 from app.tools.registry import default_tools  # noqa: E402
 from app.tools.search import search_tool  # noqa: E402

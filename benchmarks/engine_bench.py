@@ -20,10 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import app  # noqa: E402,F401  (before torch: one intra-op thread in every thread but the model's)
 import torch  # noqa: E402
 
-from app.decoding import Detokenizer  # noqa: E402
-from app.engine import Engine, Settings, TextDelta, default_prompt_template  # noqa: E402
-from app.model import load_model  # noqa: E402
+from app.decoding.stops import Detokenizer  # noqa: E402
+from app.engine.prompt import default_prompt_template
+from app.engine.turns import Engine  # noqa: E402
+from app.episode import TextDelta
+from app.model.loading import load_model  # noqa: E402
 from app.protocol import STOP_STRINGS  # noqa: E402
+from app.settings import Settings
 from app.threads import use_model_threads  # noqa: E402
 from server_bench import in_thread  # noqa: E402
 
@@ -126,7 +129,7 @@ def ttft_turns(loaded, prompt: str) -> dict:
 
 def attention_paths(loaded) -> dict:
     """Milliseconds of a 16-token pass over 700 and 1,500 cached tokens, with transformers' stock `sdpa` (which
-    copies key/value heads per query head under a mask) and with app/attention.py's grouped path; interleaved."""
+    copies key/value heads per query head under a mask) and with app/model/attention.py's grouped path; interleaved."""
     from transformers import DynamicCache
 
     use_model_threads()
@@ -183,7 +186,7 @@ def model_ready() -> tuple[float, float, float]:
     torch + transformers' model code, load_model after those imports)."""
     code = ("import time; t0=time.perf_counter(); import torch, transformers; "
             "from transformers import AutoTokenizer, AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast; "
-            "from app.model import load_model; t1=time.perf_counter(); load_model(); t2=time.perf_counter(); "
+            "from app.model.loading import load_model; t1=time.perf_counter(); load_model(); t2=time.perf_counter(); "
             "print(t1-t0, t2-t1)")
     began = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -227,7 +230,7 @@ def main() -> None:
          f"({t_off['ttfts'][-1] / t_off['ttfts'][0]:.2f}×)", ""),
         ("16 new tokens over 700 → 1,500 cached: sdpa", f"{attn['sdpa', 700]:.0f} → {attn['sdpa', 1500]:.0f} ms "
          f"({attn['sdpa', 1500] / attn['sdpa', 700]:.2f}×)", ""),
-        (f"  the same, {impl} (app/attention.py)", f"{attn[impl, 700]:.0f} → {attn[impl, 1500]:.0f} ms "
+        (f"  the same, {impl} (app/model/attention.py)", f"{attn[impl, 700]:.0f} → {attn[impl, 1500]:.0f} ms "
          f"({attn[impl, 1500] / attn[impl, 700]:.2f}×)", ""),
         ("new chat TTFT / prompt prefill", f"{t_on['new_chat']*1000:.0f} / {t_on['prompt_prefill']*1000:.0f} ms "
          f"({t_on['new_chat'] / t_on['prompt_prefill']:.3f}×)", "≤ 0.15×"),

@@ -1,12 +1,12 @@
-"""What the guide (app.guide) costs per decode step, beside the step itself, in one run.
+"""What the guide (app.decoding.guide) costs per decode step, beside the step itself, in one run.
 
     python3 benchmarks/guide_bench.py [--runs 5] [--weights int8]
 
-The guide's work per generated token, as app.local_backend.SegmentSteps does it greedy: the grammar's mask and
+The guide's work per generated token, as app.backends.local.SegmentSteps does it greedy: the grammar's mask and
 the greedy choice under it (with the check whether the model's first choice was banned), the token consumed, and the
 forced text looked up for the next pass; timed over the tokens of real guided segments (a call, a look-up's
 answer, an arithmetic answer, a chit-chat answer). The decode step is the app's own model step
-(app.ragged.ragged_forward, one row, 2 threads) after ~800 tokens of context. Prints medians and the ratio.
+(app.model.ragged.ragged_forward, one row, 2 threads) after ~800 tokens of context. Prints medians and the ratio.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import app  # noqa: E402,F401  (first: one intra-op thread in every thread but the model's, app.threads)
 import torch  # noqa: E402
 
-from app.guide import build_guide  # noqa: E402
-from app.kvcache import new_kv  # noqa: E402
-from app.model import load_model  # noqa: E402
+from app.decoding.guide import build_guide  # noqa: E402
+from app.model.kvcache import new_kv  # noqa: E402
+from app.model.loading import load_model  # noqa: E402
+from app.model.ragged import Row, ragged_forward  # noqa: E402
 from app.protocol import encode  # noqa: E402
-from app.ragged import Row, ragged_forward  # noqa: E402
 from app.threads import use_model_threads  # noqa: E402
 from decode_bench import context_ids  # noqa: E402
 from server_bench import in_thread  # noqa: E402
@@ -51,7 +51,7 @@ def guide_us_per_token(loaded, runs: int) -> float:
         for guide, text in SEGMENTS:
             matcher = vocab.matcher(guide.grammar)
             for token in encode(tokenizer, text):
-                matcher.greedy(logits)  # (greedy, the page's setting: app.local_backend.LocalBackend._choose)
+                matcher.greedy(logits)  # (greedy, the page's setting: app.backends.local.LocalBackend._choose)
                 matcher.consume([token])
                 if matcher.done:
                     break

@@ -28,14 +28,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.backend import Backend  # noqa: E402
-from app.engine import Engine, SegmentFinished, Settings, TextDelta  # noqa: E402
-from app.llama_server import LlamaServer  # noqa: E402
-from app.local_backend import LocalBackend  # noqa: E402
-from app.model import load_model  # noqa: E402
+from app.backends.base import Backend  # noqa: E402
+from app.backends.llama_server import LlamaServer  # noqa: E402
+from app.backends.local import LocalBackend  # noqa: E402
+from app.backends.server import ServerBackend  # noqa: E402
+from app.backends.server_client import ModelServer  # noqa: E402
+from app.engine.turns import Engine  # noqa: E402
+from app.episode import SegmentFinished, TextDelta
+from app.model.loading import load_model  # noqa: E402
 from app.protocol import CALL  # noqa: E402
-from app.server_backend import ServerBackend  # noqa: E402
-from app.server_client import ModelServer  # noqa: E402
+from app.settings import Settings
 
 LONG = "Write a long story about a robot who learns to paint."
 DECODE = Settings(max_new_tokens=64, max_length=4096, max_turns=0, draft_tokens=0)

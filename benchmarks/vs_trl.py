@@ -3,7 +3,7 @@
     python3 benchmarks/vs_trl.py            # builds benchmarks/.trl-venv on first use (~1 min)
     python3 benchmarks/vs_trl.py --chart assets/benchmark_vs_trl.png   # ... and redraws the README's chart
 
-Both sides: the bundled SmolLM2-135M-Instruct (float32; our last column in int8, app/int8.py), the same
+Both sides: the bundled SmolLM2-135M-Instruct (float32; our last column in int8, app/model/int8.py), the same
 24-example few-shot calculator prompt, the same 8 questions, greedy, 2 threads, max_new_tokens 32, max_turns 4;
 one episode per call, then all 8 as one batch. TRL runs in its own virtual environment (transformers 4.x) as a
 subprocess; model loading is excluded on both sides. Prints a table.
@@ -29,8 +29,9 @@ import app  # noqa: E402,F401  (before torch: one intra-op thread in every threa
 import torch  # noqa: E402
 
 import workload  # noqa: E402
-from app.engine import Engine, Settings  # noqa: E402
-from app.model import BUNDLED_GGUF, bundled_model_dir, load_model  # noqa: E402
+from app.engine.turns import Engine  # noqa: E402
+from app.model.loading import BUNDLED_GGUF, bundled_model_dir, load_model  # noqa: E402
+from app.settings import Settings
 from app.tools.registry import get_tools  # noqa: E402
 
 SETTINGS = dict(max_new_tokens=32, max_turns=4, max_tool_response=100)

@@ -10,14 +10,16 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from app.backend import BackendError
-from app.engine import Engine, InputError, SegmentFinished, Settings, TextDelta, clean_question
-from app.sessions import MB
-from app.streaming import in_batches
+from app.backends import BackendError
+from app.engine import Engine
+from app.episode import SegmentFinished, TextDelta
+from app.serving import MB
+from app.serving import in_batches
+from app.settings import InputError, Settings, clean_question
 from components.inputs import settings_from_dict
 
 if TYPE_CHECKING:
-    from app.sessions import SessionStore
+    from app.serving import SessionStore
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from app.engine import MAX_QUESTION_CHARS, Episode, InputError
+from app.engine import exact_match
+from app.episode import Episode
 from app.episode import count_text, total_or_none
-from app.rewards import exact_match
+from app.settings import MAX_QUESTION_CHARS, InputError
 from components.compare import speedup_text
 from components.chat import stop_text
 from components.stats import counted

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 import gradio as gr
 from gradio.utils import get_upload_folder
 
-from app.engine import Episode, EpisodeFinished
-from app.rewards import builtin_questions
+from app.engine import builtin_questions
+from app.episode import Episode, EpisodeFinished
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards,
                               write_episodes)
 from components.inputs import clean_prompt
 from components.status import failure_status
 
 if TYPE_CHECKING:
-    from app.sessions import SessionStore
+    from app.serving import SessionStore
 
 
 class BatchTab:

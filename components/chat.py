@@ -12,7 +12,7 @@ import html
 import re
 
 from app.decoding import Stop, StopReason
-from app.engine import Episode, Segment
+from app.episode import Episode, Segment
 from app.protocol import SUBMIT
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~$])")

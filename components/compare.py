@@ -1,10 +1,10 @@
-"""Cache on vs off, or guide on vs off, side by side: an app.compare.Comparison or GuideComparison -> a markdown
+"""Cache on vs off, or guide on vs off, side by side: an app.engine.compare.Comparison or GuideComparison -> a markdown
 table. Pure, no server needed."""
 
 from __future__ import annotations
 
-from app.compare import Comparison, GuideComparison, forced_tokens, steered_tokens
-from app.engine import Episode
+from app.engine import Comparison, GuideComparison, forced_tokens, steered_tokens
+from app.episode import Episode
 from app.episode import count_text
 from components.chat import escape_text, stop_text
 

@@ -11,17 +11,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import gradio as gr
 
-from app.backend import Backend, load_backend
-from app.compare import compare, compare_guide
-from app.engine import (Engine, InputError, SegmentFinished, SegmentStarted, Session, Settings, TextDelta,
-                        clean_question, default_prompt_template)
-from app.kvcache import kv_nbytes
-from app.local_backend import LocalBackend
-from app.model import LoadedModel
-from app.server_backend import ServerBackend
-from app.sessions import Entry, SessionStore, kv_after, kv_reserve
-from app.streaming import in_batches
-from app.tools.registry import default_tools, get_tools
+from app.backends import Backend, load_backend
+from app.backends.local import LocalBackend
+from app.backends.server import ServerBackend
+from app.engine import compare, compare_guide
+from app.engine import Engine, Session, default_prompt_template
+from app.episode import SegmentFinished, SegmentStarted, TextDelta
+from app.model.kvcache import kv_nbytes
+from app.model.loading import LoadedModel
+from app.serving import Entry, SessionStore, kv_after, kv_reserve
+from app.serving import in_batches
+from app.settings import InputError, Settings, clean_question
+from app.tools import default_tools, get_tools
 from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
@@ -167,7 +168,7 @@ class ChatService(ApiHandlers, BatchTab):
                     fills=session.cache)
 
     def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
-        """app.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""
+        """app.serving.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""
         loaded = getattr(self.backend, "loaded", None)
         if loaded is None:
             return 0

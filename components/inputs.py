@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from app.engine import InputError, Settings
-from app.tools.registry import default_tools
+from app.settings import InputError, Settings
+from app.tools import default_tools
 
 DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",

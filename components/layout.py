@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app.backend import concurrent_turns
-from app.config import ASSETS
+from app.backends import concurrent_turns
 from app.engine import default_prompt_template
-from app.streaming import closes_elsewhere
+from app.paths import ASSETS
+from app.serving import closes_elsewhere
 from components.batch import MAX_BATCH, empty_frame
 from components.handlers import ChatService
 from components.inputs import DEFAULTS, tool_names
@@ -122,7 +122,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
                                             show_inline_category=False)
 
-        # the streaming handlers, closed off Gradio's event loop when their client goes away (app.streaming)
+        # the streaming handlers, closed off Gradio's event loop when their client goes away (app.serving.streaming)
         chat_page, run_compare, run_compare_guide, run_batch, api_chat = map(closes_elsewhere, (
             service.chat_page, service.compare, service.compare_guide, service.batch, service.api_chat))
         # What the page hands queued work when it is submitted: a sent message with its Stop ticket, and the

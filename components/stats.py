@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.engine import Session
-from app.sessions import MB, StoreStats
+from app.serving import MB, StoreStats
 
 
 def stats_markdown(session: Session | None, store: StoreStats, backend: str | None = None,

@@ -6,8 +6,8 @@ import logging
 
 import gradio as gr
 
-from app.backend import BackendError
-from app.engine import InputError
+from app.backends import BackendError
+from app.settings import InputError
 from components.stats import counted
 
 log = logging.getLogger(__name__)

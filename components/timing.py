@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from app.engine import Episode
+from app.episode import Episode
 from app.episode import count_text
 from components.stats import counted
 

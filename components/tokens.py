@@ -2,7 +2,7 @@
 
 One entry per span (system prompt, user message, model segment, tool output); each span's text is its own
 ids decoded, never the history re-tokenized. Cost is one decode per span, so long sessions stay cheap. A model
-segment the guide shaped (app.guide) is split into runs: the model's own tokens, and the guide's ("guide": the
+segment the guide shaped (app.decoding.guide) is split into runs: the model's own tokens, and the guide's ("guide": the
 tokens it forced, and those it steered away from the model's first choice), each run decoded on its own.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from app.engine import Provenance, Segment, Span
+from app.episode import Provenance, Segment, Span
 
 ROLES = ("system", "user", "model", "guide", "tool")
 COLOR_MAP = {"system": "#9ca3af", "user": "#60a5fa", "model": "#34d399", "guide": "#c084fc", "tool": "#fbbf24"}

@@ -19,4 +19,4 @@ if [ "${1:-}" = "--dev" ]; then
 fi
 
 # Convert the GGUF once into the local cache (15-25 s the first time; later starts load it in ~3 s).
-$PY -c "from app.model import load_model; load_model()"
+$PY -c "from app.model.loading import load_model; load_model()"

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from app.model import LoadedModel, load_model, load_tokenizer, wrap
+from app.model.loading import LoadedModel, load_model, load_tokenizer, wrap
 from app.protocol import encode
 
 _SKIP_LINE = pytest.StashKey[str]()

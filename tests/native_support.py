@@ -1,4 +1,4 @@
-"""What the tests of the C functions (app/*.c, app.native) need, and the one reason they may skip.
+"""What the tests of the C functions (app/kernels/*.c, app.kernels.native) need, and the one reason they may skip.
 
 The C library must build wherever these tests run: a failed build fails them (an error at their setup, with the
 compiler's message; it used to skip them all, ~200 tests, with "no C compiler"). A test may skip only where the
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app import native
+from app.kernels import native
 
 # the CPU features a C path needs, as /proc/cpuinfo names them, and as a person would say them
 AVX512 = {"avx512f": "AVX-512"}
@@ -44,7 +44,7 @@ def needs(*features: dict[str, str]) -> pytest.MarkDecorator:
 
 
 def amx_off() -> str | None:
-    """The skip reason where TEXTENV_AMX=0 keeps the tiles off (a host whose tiles misbehave: app/int8_mm.c)."""
+    """The skip reason where TEXTENV_AMX=0 keeps the tiles off (a host whose tiles misbehave: app/kernels/int8_mm.c)."""
     return "TEXTENV_AMX=0 keeps the AMX tiles off on this host" if os.environ.get("TEXTENV_AMX") == "0" else None
 
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from app.decoding import StopReason
-from app.engine import Engine
+from app.decoding.stops import StopReason
+from app.engine.turns import Engine
 from app.protocol import RESPONSE, SUBMIT
 from components.inputs import DEFAULTS as PAGE  # the page's settings
 

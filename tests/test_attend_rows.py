@@ -1,4 +1,4 @@
-"""Rows with few new tokens attending in one C call a layer (app.attend_rows) against PyTorch's SDPA, which every
+"""Rows with few new tokens attending in one C call a layer (app.kernels.attend_rows) against PyTorch's SDPA, which every
 longer row still takes: outputs, the keys/values written into each row's cache, and bits that depend on the row
 alone (not on the rows beside it, nor on the threads)."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from app import native
-from app.attend_rows import BATCH_TOKENS, Batch, available, batched
-from app.kvcache import new_kv
-from app.ragged import _attend, causal_mask
+from app.kernels import native
+from app.kernels.attend_rows import BATCH_TOKENS, Batch, available, batched
+from app.model.kvcache import new_kv
+from app.model.ragged import _attend, causal_mask
 from tests.native_support import AVX512, c_library, needs
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from app.attention import NAME
+from app.model.attention import NAME
 
 
 def _pass_over_cache(model, history: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

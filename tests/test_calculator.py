@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from app.config import ROOT
+from app.paths import ROOT
+from app.tools.base import ToolError
 from app.tools.calculator import calculate, sum_in
-from app.tools.registry import ToolError
 
 CASES = [
     ("1+2", "3"),

@@ -129,7 +129,7 @@ def test_no_guide_lets_the_model_write_alone_and_the_guide_says_what_it_chose():
 
 
 def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
-    from app.engine import render_prompt
+    from app.engine.prompt import render_prompt
     from app.protocol import encode
     from app.tools.registry import get_tools
 
@@ -153,14 +153,14 @@ def test_ask_says_when_the_model_fails_and_exits_non_zero(tiny_llama, monkeypatc
     import dataclasses
     import threading
 
-    import app.backend
+    import app.backends.select
+    from app.backends.local import LocalBackend
     from app.cli import main
-    from app.local_backend import LocalBackend
     from tests.test_stops import Exploding
 
     model = Exploding(tiny_llama.model, fail_at=3)  # (1: the prompt's prefill, 2: the question, 3: the next token)
     loaded = dataclasses.replace(tiny_llama, model=model, lock=threading.RLock())
-    monkeypatch.setattr(app.backend, "load_backend", lambda: LocalBackend(loaded))
+    monkeypatch.setattr(app.backends.select, "load_backend", lambda: LocalBackend(loaded))
     assert main(["ask", "What is 2+2?"]) == 1
     assert "\n  [error: out of memory (simulated)]\n" in capsys.readouterr().out
     model.fail_at, model.calls = 10**9, 0

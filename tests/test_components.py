@@ -15,11 +15,14 @@ import gradio as gr
 import pytest
 import torch
 
-from app.decoding import Limit, Stop, StopReason
-from app.engine import Engine, Episode, InputError, Provenance, Segment, Span, default_prompt_template
-from app.guide_matcher import GuideVocab
-from app.kvcache import GROW_TOKENS, kv_nbytes
-from app.sessions import MB, TURN_TOKENS, SessionStore, StoreStats
+from app.decoding.guide_matcher import GuideVocab
+from app.decoding.stops import Limit, Stop, StopReason
+from app.engine.prompt import default_prompt_template
+from app.engine.turns import Engine
+from app.episode import Episode, Provenance, Segment, Span
+from app.model.kvcache import GROW_TOKENS, kv_nbytes
+from app.serving.sessions import MB, TURN_TOKENS, SessionStore, StoreStats
+from app.settings import InputError
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
 from components import inputs
@@ -288,7 +291,7 @@ def request(key: str = "page-1"):
 
 
 def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama):
-    """Sessions read the prefilled prompt in place (app.kvcache); when a visitor's prompt pushes it out of the
+    """Sessions read the prefilled prompt in place (app.model.kvcache); when a visitor's prompt pushes it out of the
     engine's few, the sessions still hold it: it stays in the budget, once."""
     service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     turn(service, "hi", max_new_tokens=2, max_turns=0)
@@ -337,7 +340,7 @@ def test_a_prompt_let_go_of_while_a_batch_row_reads_it_counts_until_nothing_does
 
 
 def test_a_model_job_reserves_what_its_caches_will_hold_after_a_turn(tiny_llama):
-    """SessionStore.turn_slot's reservation (app.sessions.kv_reserve): the room its cache will have after
+    """SessionStore.turn_slot's reservation (app.serving.sessions.kv_reserve): the room its cache will have after
     TURN_TOKENS more tokens, less what the session holds; the whole cache again when it was dropped; with the
     cache off, the whole session (the shared prompt too) in a cache of its own; per row."""
     service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
@@ -388,7 +391,7 @@ def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokeni
     `-c 4096 -np 4` holds 1,024) with a shorter context failed its check, so app.py exited before launching."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.model import wrap
+    from app.model.loading import wrap
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -796,7 +799,7 @@ def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
 def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
     """Regression (Chromium, Calculator off): "What is 3 - 7?" looped to the repetition stop with no answer, and
     the status line said a plain "done"."""
-    from app.decoding import Limit
+    from app.decoding.stops import Limit
     from components.chat import ending_note
     from components.handlers import done_status
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.decoding import Limit, PromptLookup, StopReason
-from app.engine import Engine, Settings
+from app.decoding.sampling import PromptLookup
+from app.decoding.stops import Limit, StopReason
+from app.engine.turns import Engine
+from app.settings import Settings
 
 QUESTIONS = ["What is 41 * 23?", "What does kludge mean?", "What is 1234 + 4321?"]
 
@@ -77,8 +79,8 @@ def test_drafts_need_fewer_forward_passes(engine, monkeypatch):
 
 
 def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
-    """Eight rows at once share one step's drafts (app.local_backend.DRAFTS_PER_STEP): each drafts at most 2."""
-    from app.local_backend import DRAFTS_PER_STEP, SegmentSteps
+    """Eight rows at once share one step's drafts (app.backends.local.DRAFTS_PER_STEP): each drafts at most 2."""
+    from app.backends.local import DRAFTS_PER_STEP, SegmentSteps
 
     scheduler = engine.loaded.scheduler
     plain = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40))
@@ -97,7 +99,7 @@ def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
 def test_a_segments_first_pass_drafts_too(engine, monkeypatch):
     """After a question the model starts as the prompt's examples do ("<request><..."): the prefill pass verifies
     drafts, so the first text comes a pass earlier (8 questions at once: ~110-120 ms to first text -> ~100)."""
-    from app.local_backend import SegmentSteps
+    from app.backends.local import SegmentSteps
 
     keeps, next_pass = [], SegmentSteps.next_pass
     monkeypatch.setattr(SegmentSteps, "next_pass", lambda steps: (keeps.append(keep := next_pass(steps)), keep)[1])

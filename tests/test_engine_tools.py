@@ -6,10 +6,13 @@ import threading
 
 import pytest
 
-from app.decoding import StopReason
-from app.engine import Engine, Episode, Settings
+from app.decoding.stops import StopReason
+from app.engine.turns import Engine
+from app.episode import Episode
 from app.protocol import encode
-from app.tools.registry import Tool, ToolError, default_tools, get_tools
+from app.settings import Settings
+from app.tools.base import Tool, ToolError
+from app.tools.registry import default_tools, get_tools
 from app.tools.search import Hit, set_backend
 from components.chat import episode_messages as messages_of, escape_text
 from tests.conftest import forced, plan_text, prime, writing
@@ -161,8 +164,9 @@ def test_markers_and_special_tokens_in_a_question_are_neutralized(tiny_llama, to
 def test_a_tool_output_cut_by_max_length_says_so(tiny_llama, tokenizer):
     """Regression (Chromium): a Search result cut at max_length showed "ok" and the cut text, with no sign of the
     cut (its `<response>` missing)."""
-    from app.decoding import Limit, StopReason
-    from app.engine import Engine, Settings
+    from app.decoding.stops import Limit, StopReason
+    from app.engine.turns import Engine
+    from app.settings import Settings
     from components.chat import tool_message
     from tests.conftest import forced, plan_text, prime
 

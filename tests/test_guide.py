@@ -1,15 +1,16 @@
-"""Guided answers (app.guide): the grammar of each segment state, and who chose every token of a guided turn."""
+"""Guided answers (app.decoding.guide): the grammar of each segment state, and who chose every token of a guided turn."""
 
 from __future__ import annotations
 
 import llguidance
 import pytest
 
-from app.engine import Engine, Settings
+from app.decoding.guide import build_guide, claimed_guide, literal, owed_text
+from app.decoding.guide_matcher import GuideError, GuideVocab, replay
+from app.engine.turns import Engine
 from app.episode import Provenance
-from app.guide import build_guide, claimed_guide, literal, owed_text
-from app.guide_matcher import GuideError, GuideVocab, replay
 from app.protocol import encode
+from app.settings import Settings
 from app.tools.registry import default_tools
 from tests.conftest import prime, writing
 
@@ -205,7 +206,7 @@ def test_a_model_without_eos_ids_still_gets_a_guide(tokenizer):
 def test_the_greedy_shortcut_picks_what_the_masked_argmax_picks(vocab, tokenizer, text, seed):
     import torch
 
-    from app.decoding import greedy
+    from app.decoding.sampling import greedy
 
     matcher = vocab.matcher(build_guide(TOOLS).grammar)
     matcher.consume(encode(tokenizer, text))
@@ -232,7 +233,7 @@ def test_in_process_and_replayed_provenance_agree_where_the_grammar_fixes_a_toke
 
 
 def episode_guide_grammar(episode, segment) -> str:
-    from app.guide import segment_guide
+    from app.decoding.guide import segment_guide
 
     i = episode.segments.index(segment)
     after = episode.segments[i - 1] if i and episode.segments[i - 1].kind == "tool" else None

@@ -1,4 +1,4 @@
-"""Int8 weights (app.int8): close to float32, and every token's result independent of the rows beside it."""
+"""Int8 weights (app.model.int8): close to float32, and every token's result independent of the rows beside it."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from app import native
-from app.int8 import EXACT_SPAN, ExactWeight, Int8Linear, fbgemm_int8, int8_matmul_is_fast, int8_state, to_int8
-from app.int8_rows import (ACT_MAX, FINE, QMAX, combine_rows, combine_rows_torch, split_rows, split_rows_float,
-                           split_rows_torch)
-from app.kvcache import new_kv
-from app.model import LoadedModel, load_model, weight_format, wrap
-from app.ragged import Row, ragged_forward
+from app.kernels import native
+from app.kernels.int8_rows import (ACT_MAX, FINE, QMAX, combine_rows, combine_rows_torch, split_rows, split_rows_float,
+                                   split_rows_torch)
+from app.model.int8 import EXACT_SPAN, ExactWeight, Int8Linear, fbgemm_int8, int8_matmul_is_fast, int8_state, to_int8
+from app.model.kvcache import new_kv
+from app.model.loading import LoadedModel, load_model, weight_format, wrap
+from app.model.ragged import Row, ragged_forward
 from tests.native_support import c_library
 
 
@@ -36,7 +36,7 @@ def test_split_rows_keeps_about_thirteen_bits_in_7_bit_parts():
     x = torch.randn(4, 300) * torch.tensor([[1e-3], [1.0], [50.0], [0.0]])
     parts, scale = split_rows(x)
     assert parts.dtype == torch.int8 and parts.shape == (8, 300) and scale.shape == (4, 1)
-    assert parts.abs().max() == ACT_MAX  # 7 bits: what a CPU without VNNI multiplies exactly (app.int8)
+    assert parts.abs().max() == ACT_MAX  # 7 bits: what a CPU without VNNI multiplies exactly (app.model.int8)
     back = (parts[:4].float() + parts[4:].float() / FINE) * scale
     assert ((back - x).abs() <= scale / (2 * FINE) * 1.001 + 1e-12).all()
     assert torch.equal(back[3], torch.zeros(300))  # a zero row stays zero (no division by zero)
@@ -112,9 +112,9 @@ def test_split_rows_float_holds_split_rows_values():
 
 @pytest.mark.parametrize("rows", [1, 8, 80])
 def test_split_rows_rounds_as_torch_round(rows):
-    """The add-based rounding (app.int8_rows._round_: torch.round woke the second core for each of an 8-row
+    """The add-based rounding (app.kernels.int8_rows._round_: torch.round woke the second core for each of an 8-row
     step's ~240 roundings) gives torch.round's values, ties to even included."""
-    from app.int8_rows import _round_
+    from app.kernels.int8_rows import _round_
 
     halves = torch.arange(-4 * FINE, 4 * FINE + 1, dtype=torch.float32) / 4  # every quarter in range
     assert torch.equal(_round_(halves.clone()), torch.round(halves))
@@ -192,9 +192,9 @@ def test_a_failed_c_build_leaves_torch_running(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(fake))
     native.library.cache_clear()
     try:
-        with caplog.at_level("INFO", logger="app.native"):
+        with caplog.at_level("INFO", logger="app.kernels.native"):
             assert native.library() is None
-        (error,) = [r for r in caplog.records if r.name == "app.native" and r.levelname == "ERROR"]
+        (error,) = [r for r in caplog.records if r.name == "app.kernels.native" and r.levelname == "ERROR"]
         message = native.build_error()
         assert message.startswith(f"could not build the C functions with {fake}: `{fake} -O3")
         assert "exited with status 1:\nint8_mm.c:12:3: error: expected ';' before '}' token" in message
@@ -301,7 +301,7 @@ def real_int8(request) -> LoadedModel:
 
 @pytest.mark.parametrize("which", ["tiny_llama", "real"])
 def test_rows_reading_shared_prefixes_are_bitwise_independent_of_each_other(which, request):
-    """Regression for reading a shared prefix once a step for all its rows (app.ragged._prefix_attention): a
+    """Regression for reading a shared prefix once a step for all its rows (app.model.ragged._prefix_attention): a
     row's logits are the same bits alone as beside decoding, drafting, prefilling and prefix-less rows, in any
     order, with enough queries to take several kernel calls."""
     model = (_int8_tiny(request.getfixturevalue(which)) if which == "tiny_llama" else real_int8(request)).model
@@ -339,7 +339,7 @@ def test_the_int8_probe_times_both_matmuls_once(monkeypatch, int_mm_s, fast):
     `_int_mm` run `int_mm_s` (its real runs happen too, so its arguments are checked)."""
     import types
 
-    from app import int8
+    from app.model import int8
 
     clock, calls = [0.0], []
     real_int_mm = torch._int_mm
@@ -388,7 +388,7 @@ def test_weights_setting(monkeypatch, value, expected):
 def test_int8_real_model_agrees_with_float32_on_the_system_prompt(real, request):
     """A guard on the conversion's accuracy: next-token agreement with float32 over the rendered system prompt
     (97.7 % measured with 7-bit parts, 97.8 % with 8-bit ones; one part per token instead of two gave ~93 %)."""
-    from app.prompt import default_prompt_template, render_prompt
+    from app.engine.prompt import default_prompt_template, render_prompt
     from app.tools.registry import default_tools
 
     int8 = real_int8(request)
@@ -436,8 +436,8 @@ def test_a_saved_int8_layer_that_does_not_fit_is_quantized_again(tiny_llama):
 
 
 def test_load_saves_int8_weights_in_the_model_folder_and_reads_them_back(tiny_llama, tmp_path, caplog):
-    from app.int8 import SAVED_INT8
-    from app.model import _int8
+    from app.model.int8 import SAVED_INT8
+    from app.model.loading import _int8
 
     first = _fresh_llama(tiny_llama)
     _int8(first, tmp_path)

@@ -1,4 +1,4 @@
-"""The fused int8 layer (app.int8_layer, app/int8_layer.c): each C piece against its torch counterpart, and whole
+"""The fused int8 layer (app.kernels.int8_layer, app/kernels/int8_layer.c): each C piece against its torch counterpart, and whole
 passes against the torch layers."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from app import attend_rows, int8_layer, native, ragged
-from app.int8 import PACKED_FEW_TOKENS, Int8Linear
-from app.int8_layer import fused_layers
-from app.int8_rows import ACT_MAX, FINE, combine_rows_torch
-from app.kvcache import new_kv
-from app.model import LoadedModel, wrap
-from app.ragged import Row, ragged_forward
+from app.kernels import attend_rows, int8_layer, native
+from app.kernels.int8_layer import fused_layers
+from app.kernels.int8_rows import ACT_MAX, FINE, combine_rows_torch
+from app.model import ragged
+from app.model.int8 import PACKED_FEW_TOKENS, Int8Linear
+from app.model.kvcache import new_kv
+from app.model.loading import LoadedModel, wrap
+from app.model.ragged import Row, ragged_forward
 from tests.conftest import logit_tolerance
 from tests.native_support import AVX512, VNNI, c_library, needs, needs_amx
 from tests.test_int8 import _int8_tiny, real_int8
@@ -191,7 +192,7 @@ def test_partial_rotary_models_run_the_torch_layers(tiny_llama):
     # the tiny llama's 32 are not, so it never would)
     pytest.param("real", 40, marks=needs_amx())])
 def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, last, request, monkeypatch):
-    """qkv_packed and finish_packed (one C call each, matmuls on app.int8_mm) against the same pieces called one
+    """qkv_packed and finish_packed (one C call each, matmuls on app.kernels.int8_mm) against the same pieces called one
     by one with _int_mm's sums: the same functions in the same order, so the same bits. A pass of 1 + 3 + 4
     tokens (packed: up to PACKED_FEW_TOKENS), rows with and without a shared prefix, after a long past; and of
     1 + 3 + 40 tokens where the model takes the packed kernel for any length (AMX: tiles, rows in parallel)."""
@@ -239,7 +240,7 @@ def test_the_packed_layer_calls_give_the_bits_of_the_per_piece_calls(which, last
 
 
 def _int8_heads64(tokenizer) -> LoadedModel:
-    """A tiny random int8 Llama with 64-value heads, whose rows attend in app/attend_rows.c as the real model's do."""
+    """A tiny random int8 Llama with 64-value heads, whose rows attend in app/kernels/attend_rows.c as the real model's do."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, bos_token_id=1,
@@ -247,10 +248,10 @@ def _int8_heads64(tokenizer) -> LoadedModel:
     return wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-64-int8", weights="int8")
 
 
-@needs(AVX512)  # the rows attend in app/attend_rows.c, whose fast path is AVX-512 code
+@needs(AVX512)  # the rows attend in app/kernels/attend_rows.c, whose fast path is AVX-512 code
 @pytest.mark.parametrize("which", ["tiny64", "real"])
 def test_every_layer_in_one_call_gives_the_bits_of_the_calls_layer_by_layer(which, request, monkeypatch):
-    """forward_layers (FusedInt8Layers.whole_pass): a pass whose rows all attend in app/attend_rows.c runs every
+    """forward_layers (FusedInt8Layers.whole_pass): a pass whose rows all attend in app/kernels/attend_rows.c runs every
     layer in one C call; against the same calls made layer by layer from Python, each row's logits and its cache's
     keys and values bit for bit. A pass of rows decoding and drafting over a shared prefix and one after its own
     past, then one of a decoding row beside 40 new tokens (one call wherever the layers have the packed kernel,

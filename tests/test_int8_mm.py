@@ -1,4 +1,4 @@
-"""The VNNI / AMX int8 matmul (app/int8_mm.c): the integer sums of torch._int_mm, bit for bit, for any shape."""
+"""The VNNI / AMX int8 matmul (app/kernels/int8_mm.c): the integer sums of torch._int_mm, bit for bit, for any shape."""
 
 import copy
 from types import SimpleNamespace
@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app import int8_mm
-from app.int8 import Int8Linear, to_int8
-from app.int8_mm import PackedWeight
-from app.int8_rows import QMAX
+from app.kernels import int8_mm
+from app.kernels.int8_mm import PackedWeight
+from app.kernels.int8_rows import QMAX
+from app.model.int8 import Int8Linear, to_int8
 from tests.native_support import AMX, VNNI, amx_off, c_library, missing, needs, needs_amx
 
 needs_vnni = needs(VNNI)
@@ -107,7 +107,7 @@ def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tin
     built with VNNI now decides without it."""
     from transformers import LlamaForCausalLM
 
-    from app import int8
+    from app.model import int8
 
     monkeypatch.setattr(int8, "int8_matmul_is_fast", lambda: False)
     model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
@@ -121,7 +121,7 @@ def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tin
 def test_with_amx_inputs_of_any_length_take_the_packed_kernel():
     """The tile unit makes long inputs (a prefill of 8 questions: 104 tokens) fast too, where the VNNI loop alone
     lost to _int_mm beyond 16 tokens; an inner size off its 64-value tiles keeps the limit."""
-    from app.int8 import PACKED_FEW_TOKENS, _kernels
+    from app.model.int8 import PACKED_FEW_TOKENS, _kernels
 
     assert _kernels(LIKE_SMOLLM2) == (False, None, True)
     assert _kernels(SimpleNamespace(hidden_size=576, intermediate_size=1000)) == (False, PACKED_FEW_TOKENS, True)
@@ -135,8 +135,8 @@ def test_amx_can_be_turned_off():
     import subprocess
     import sys
 
-    check = ("import app, torch; from types import SimpleNamespace; from app import int8_mm; "
-             "from app.int8_mm import PackedWeight; "
+    check = ("import app, torch; from types import SimpleNamespace; from app.kernels import int8_mm; "
+             "from app.kernels.int8_mm import PackedWeight; "
              "w = torch.randint(-127, 128, (96, 576), dtype=torch.int8); "
              "x = torch.randint(-128, 128, (40, 576), dtype=torch.int8); "
              "assert not int8_mm.any_tokens(SimpleNamespace(hidden_size=576, intermediate_size=1536)); "
@@ -153,7 +153,7 @@ def test_sums_scaled_back_on_the_tiles_give_combine_rows_bits(out, inner, tokens
     """PackedWeight.combined (the LM head's matmul and its scaling back in one call, the int32 sums never in
     memory) against mm then combine_rows, bit for bit: channels off the pairs of 16 (100), the LM head's 49,152,
     token counts off the tiles' 8 tokens (16 rows of parts). One token (2 rows) stays off the tiles: None."""
-    from app.int8_rows import FINE, combine_rows
+    from app.kernels.int8_rows import FINE, combine_rows
 
     gen = torch.Generator().manual_seed(out + inner + tokens)
     weight = torch.randint(-QMAX, QMAX + 1, (out, inner), generator=gen, dtype=torch.int8)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine import Engine, Settings
-from app.int8 import SAVED_INT8
-from app.model import _converted_dir, load_model, model_source
+from app.engine.turns import Engine
+from app.model.int8 import SAVED_INT8
+from app.model.loading import _converted_dir, load_model, model_source
+from app.settings import Settings
 
 
 def test_bundled_default_and_its_converted_cache(real):

@@ -6,10 +6,12 @@ import re
 
 import pytest
 
-from app.engine import Engine, InputError
-from app.prompt import PromptError, default_prompt_template, fill_examples, render_prompt
+from app.engine.prompt import PromptError, default_prompt_template, fill_examples, render_prompt
+from app.engine.turns import Engine
 from app.protocol import CALL, RESPONSE, SUBMIT
-from app.tools.registry import Tool, default_tools, get_tools, run_tool
+from app.settings import InputError
+from app.tools.base import Tool
+from app.tools.registry import default_tools, get_tools, run_tool
 
 EXAMPLE = re.compile(rf"Q: (.*)\n<request><(\w+)>(.*){CALL}(.*){RESPONSE}\nResult = (.*){SUBMIT}")
 

@@ -83,7 +83,7 @@ def test_tools_package_is_import_light() -> None:
     import subprocess
     import sys
 
-    from app.config import ROOT
+    from app.paths import ROOT
 
     code = (
         "import sys, app.tools, app.tools.registry, app.tools.search, app.tools.calculator; "

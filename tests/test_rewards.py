@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.rewards import builtin_questions, exact_match, submitted
+from app.engine.rewards import builtin_questions, exact_match, submitted
 from app.tools.calculator import calculate
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.decoding import greedy
-from app.engine import Engine, Settings, TextDelta
+from app.decoding.sampling import greedy
+from app.engine.turns import Engine
+from app.episode import TextDelta
+from app.settings import Settings
 from tests.conftest import forced, plan_text, prime
 
 PROMPT = "Answer.\n{tools}\n\n"

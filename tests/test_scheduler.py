@@ -1,4 +1,4 @@
-"""The batched scheduler (app.scheduler, app.ragged): rows that share forward passes get exactly what each would
+"""The batched scheduler (app.model.scheduler, app.model.ragged): rows that share forward passes get exactly what each would
 get alone, whatever joins, leaves, fails or is cancelled beside them."""
 
 from __future__ import annotations
@@ -9,12 +9,15 @@ import time
 import pytest
 import torch
 
-from app import scheduler as scheduler_module
-from app.decoding import StopReason
-from app.engine import Engine, EpisodeFinished, Settings, TextDelta
-from app.kvcache import TokenCache
-from app.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, Scheduler, plan_step
-from app.tools.registry import Tool, default_tools
+from app.decoding.stops import StopReason
+from app.engine.turns import Engine
+from app.episode import EpisodeFinished, TextDelta
+from app.model import scheduler as scheduler_module
+from app.model.kvcache import TokenCache
+from app.model.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, Scheduler, plan_step
+from app.settings import Settings
+from app.tools.base import Tool
+from app.tools.registry import default_tools
 from tests.conftest import logit_tolerance
 
 
@@ -362,9 +365,9 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     question went through a step alone (~150 ms on the real model) while the other seven were a few ms behind.
     The batch now opens its rows' scopes before any starts; a long gather wait makes the check independent of
     thread timing."""
-    import app.scheduler
+    import app.model.scheduler
 
-    monkeypatch.setattr(app.scheduler, "GATHER_S", 5.0)
+    monkeypatch.setattr(app.model.scheduler, "GATHER_S", 5.0)
     engine = Engine(tiny_llama)
     engine.ask(engine.new_session(), "warm up", Settings(max_new_tokens=2, max_turns=0))
     steps: list[int] = []

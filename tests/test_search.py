@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.tools import search
-from app.tools.registry import ToolError
+from app.tools.base import ToolError
 from app.tools.search import FtsSearch, Hit, JARGON_CORPUS, fts_match_expression, search_tool, term_in
 
 

@@ -23,16 +23,19 @@ from dataclasses import replace
 import gradio as gr
 import pytest
 
-from app.backend import BackendError
-from app.compare import compare
-from app.decoding import Limit, StopReason
-from app.engine import Engine, SegmentFinished, Settings, TextDelta, default_prompt_template
+from app.backends.base import BackendError
+from app.backends.llama_server import LlamaServer, free_port
+from app.backends.server import ServerBackend
+from app.backends.server_client import ModelServer
+from app.decoding.stops import Limit, StopReason
+from app.engine.compare import compare
+from app.engine.prompt import default_prompt_template
+from app.engine.turns import Engine
+from app.episode import SegmentFinished, TextDelta
 from app.episode import Provenance
-from app.llama_server import LlamaServer, free_port
 from app.protocol import CALL, CUT_STOPS, STOP_STRINGS
-from app.server_backend import ServerBackend
-from app.server_client import ModelServer
-from app.sessions import SessionStore
+from app.serving.sessions import SessionStore
+from app.settings import Settings
 from components.compare import compare_markdown
 from components.handlers import ChatService
 from tests.http_peers import proxy
@@ -298,7 +301,7 @@ def test_compare_maps_the_cache_switch_to_the_servers_prompt_cache(engine):
     assert f"| tokens reused, all segments | {result.cached.reused_tokens} | 0 |" in compare_markdown(result)
 
 
-# ---- guided answers (app.guide) on the server: the grammar goes with the request ---------------------------------
+# ---- guided answers (app.decoding.guide) on the server: the grammar goes with the request ---------------------------------
 REJECTED = ("model server {url} rejected the guide's grammar (HTTP 400: Failed to initialize samplers: failed to "
             "parse grammar): switch guided answers off (the page's Guided answers, `guide: false` in the API, "
             "--no-guide in the CLI) to ask it without one")

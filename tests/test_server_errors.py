@@ -11,13 +11,15 @@ from dataclasses import replace
 
 import pytest
 
-from app.backend import BackendError
-from app.decoding import StopReason
-from app.engine import Engine, Settings, TextDelta
+from app.backends.base import BackendError
+from app.backends.server import LlamaCpp, ServerBackend
+from app.backends.server_client import ModelServer, error_message
+from app.decoding.stops import StopReason
+from app.engine.turns import Engine
+from app.episode import TextDelta
 from app.episode import Provenance
 from app.protocol import SUBMIT, encode
-from app.server_backend import LlamaCpp, ServerBackend
-from app.server_client import ModelServer, error_message
+from app.settings import Settings
 from tests.http_peers import serve
 
 
@@ -100,7 +102,7 @@ def test_bad_urls_and_error_bodies():
     assert error_message(b"<html>oops</html>") == "<html>oops</html>"
 
 
-# ---- the guide's grammar (app.guide) -----------------------------------------------------------------------------
+# ---- the guide's grammar (app.decoding.guide) -----------------------------------------------------------------------------
 GRAMMAR_400 = (b'{"error": {"code": 400, "message": "Failed to initialize samplers: failed to parse grammar", '
                b'"type": "invalid_request_error"}}')  # llama.cpp's own answer (../shared/notes/stack-facts.md)
 ONE_LINE = Settings(max_new_tokens=16, max_turns=0)  # one segment: the answer line

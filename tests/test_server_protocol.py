@@ -8,14 +8,15 @@ import json
 
 import pytest
 
-from app.backend import BackendError
-from app.compare import Comparison
-from app.decoding import Stop, StopReason
-from app.engine import Engine, Settings
+from app.backends.base import BackendError
+from app.backends.server import End, LlamaCpp, ServerBackend, Vllm
+from app.backends.server_client import ModelServer
+from app.decoding.stops import Stop, StopReason
+from app.engine.compare import Comparison
+from app.engine.turns import Engine
 from app.episode import Episode, Provenance, Segment
 from app.protocol import CALL, encode
-from app.server_backend import End, LlamaCpp, ServerBackend, Vllm
-from app.server_client import ModelServer
+from app.settings import Settings
 from components.chat import segment_footer
 from components.compare import compare_markdown
 from components.timing import prefill_frame, timing_summary

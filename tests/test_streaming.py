@@ -1,4 +1,4 @@
-"""A turn's events on a thread of their own, handed over in batches (app.streaming)."""
+"""A turn's events on a thread of their own, handed over in batches (app.serving.streaming)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app.streaming import in_batches
+from app.serving.streaming import in_batches
 
 
 def counting(n: int, cancel: threading.Event, seen: list[int], pause_s: float = 0.0):
@@ -81,7 +81,7 @@ def test_a_closed_stream_returns_at_once_and_its_handler_closes_on_a_thread():
     `finally` runs, in order, on a thread. Its signature is the handler's (Gradio reads the inputs from it)."""
     import inspect
 
-    from app.streaming import closes_elsewhere
+    from app.serving.streaming import closes_elsewhere
 
     ended, proceed, finished = [], threading.Event(), threading.Event()
     caller = threading.current_thread()
@@ -113,7 +113,7 @@ def test_a_closed_stream_returns_at_once_and_its_handler_closes_on_a_thread():
 
 def test_the_pages_streaming_handlers_close_off_the_event_loop(tiny_llama):
     """The page's turns, Compare and Batch, and the /chat API are registered wrapped (closes_elsewhere)."""
-    from app.sessions import MB, SessionStore
+    from app.serving.sessions import MB, SessionStore
     from components.handlers import ChatService
     from components.layout import build_demo
 

@@ -12,10 +12,12 @@ import pandas as pd
 import pytest
 from gradio.utils import get_upload_folder
 
-from app.compare import Comparison, GuideComparison
-from app.decoding import Limit, Stop, StopReason
-from app.engine import MAX_QUESTION_CHARS, Episode, InputError, Provenance, Segment, default_prompt_template
-from app.rewards import builtin_questions, exact_match
+from app.decoding.stops import Stop, StopReason
+from app.engine.compare import Comparison, GuideComparison
+from app.engine.prompt import default_prompt_template
+from app.engine.rewards import builtin_questions, exact_match
+from app.episode import Episode, Provenance, Segment
+from app.settings import MAX_QUESTION_CHARS, InputError
 from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summary, episode_record, episodes_jsonl,
                               format_items, parse_batch, rewards)
 from components.compare import compare_markdown, guide_markdown

@@ -4,6 +4,7 @@ Import-light: standard library only (no torch/transformers anywhere under app/to
 calculator can be imported from a separate environment.
 """
 
-from app.tools.registry import Misrouted, Tool, ToolError, ToolResult, default_tools, find_tool, get_tools, run_tool
+from app.tools.base import Misrouted, Tool, ToolError, ToolResult
+from app.tools.registry import default_tools, find_tool, get_tools, run_tool
 
 __all__ = ["Misrouted", "Tool", "ToolError", "ToolResult", "default_tools", "find_tool", "get_tools", "run_tool"]

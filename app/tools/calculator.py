@@ -19,9 +19,9 @@ import keyword
 import re
 from typing import Callable
 
+from app.tools.base import ToolError
 from app.tools.numbers import (CONSTANTS, FUNCTIONS, Number, add, div, floordiv, format_number, mod, mul,
                                normalize, power, sub)
-from app.tools.registry import ToolError
 
 MAX_INPUT_CHARS = 200
 MAX_NODES = 64

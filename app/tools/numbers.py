@@ -17,7 +17,7 @@ from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Callable, Union
 
-from app.tools.registry import ToolError
+from app.tools.base import ToolError
 
 MAX_BITS = 4096
 MAX_FACTORIAL = 170

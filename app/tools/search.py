@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from app.config import ASSETS, cache_dir
+from app.paths import ASSETS, cache_dir
+from app.tools.base import Misrouted, ToolError
 from app.tools.jargon import opening, redirect_target, shorten
-from app.tools.registry import Misrouted, ToolError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The attention of every row with up to 64 new tokens in one C call a layer (app/attend_rows.c): decoding rows,
+"""The attention of every row with up to 64 new tokens in one C call a layer (app/kernels/attend_rows.c): decoding rows,
 their drafts, questions and tool results, whatever the length of their past or of their shared prefix.
 
 Why: per row and layer the ragged pass made a PyTorch flash call for the shared prefix's part (grouped for the
@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from app.native import library
+from app.kernels.native import library
 
 # rows of up to this many new tokens attend here (decoding, drafts, tool results, questions); longer ones (prefill
 # chunks) in PyTorch's flash kernel. A tool result of 20-40 tokens beside decoding rows: 1 x 27 tokens over the
@@ -48,7 +48,7 @@ def available(config) -> bool:
 
 
 def batched(tokens: int, kv, prefix, readable: dict[int, bool] | None = None) -> bool:
-    """Whether a row of this many new tokens, its cache (app.kvcache.new_kv's) and its shared prefix (or None)
+    """Whether a row of this many new tokens, its cache (app.model.kvcache.new_kv's) and its shared prefix (or None)
     attend here: decided by the row alone, so its path never depends on the rows beside it. `readable`: a pass's
     memo of its prefixes' check (a prefix is read-only: checked once a pass, not once a row: ~35 us a row)."""
     if library() is None or tokens > BATCH_TOKENS or not all(hasattr(layer, "reserve") for layer in kv.layers):
@@ -85,7 +85,7 @@ class Batch:
     reserve calls, table entries and prefix lookups per row a step, in the critical path between C calls."""
 
     def __init__(self, rows: list, spans: list[tuple[int, int]], like: torch.Tensor):
-        """`rows` (app.ragged.Row) own tokens spans[i] of the pass; `like`: the pass's keys [1, groups, tokens,
+        """`rows` (app.model.ragged.Row) own tokens spans[i] of the pass; `like`: the pass's keys [1, groups, tokens,
         dim] (a cache's first layer takes their dtype and shape). The caches cover the new positions from now
         on: attend() writes them, layer by layer (after a failed pass, TokenCache.rollback crops them)."""
         self.count = len(rows)
@@ -105,7 +105,7 @@ class Batch:
                 entry.group_stride, entry.past = keys.stride(1), past
                 if shared is not None:
                     entry.prefix_keys, entry.prefix_values, entry.prefix_stride, entry.prefix_len = shared[index]
-        # every layer's table, for a call that runs all layers (app.int8_layer's forward_layers)
+        # every layer's table, for a call that runs all layers (app.kernels.int8_layer's forward_layers)
         self.table_pointers = (ctypes.c_void_p * len(self._tables))(*map(ctypes.addressof, self._tables))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int, scale: float,

@@ -24,9 +24,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from app.config import ASSETS
+from app.paths import ASSETS
 from app.protocol import CALL, REQUEST, RESPONSE, SUBMIT, neutralize
-from app.tools.registry import Tool, find_tool, run_tool
+from app.tools.base import Tool
+from app.tools.registry import find_tool, run_tool
 
 # `<request><Tool>query<call>` closing its line: the output is to be filled in.
 _OPEN_CALL = re.compile(rf"^{re.escape(REQUEST)}<([^<>\n]{{1,64}})>([^\n]*?){re.escape(CALL)}[ \t]*$", re.MULTILINE)

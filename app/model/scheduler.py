@@ -2,9 +2,9 @@
 
 Continuous batching as serving engines do it, kept small: a session's thread (a chat turn, an API call, a batch
 row) asks for passes over its uncached tokens; the scheduler's thread takes every waiting request at a step
-boundary and runs them as one ragged pass (app.ragged), so rows join when they ask and leave when their segment
+boundary and runs them as one ragged pass (app.model.ragged), so rows join when they ask and leave when their segment
 stops, each with its own settings, sampling generator, stop checker and cancel. A decoding row's per-token work
-(app.local_backend.SegmentSteps: its tokens, their text, the stop check, the next drafts) runs here right after
+(app.backends.local.SegmentSteps: its tokens, their text, the stop check, the next drafts) runs here right after
 its pass (`submit(..., then=...)`), and its thread only streams the text; tools run in the session's thread,
 never on the model's.
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app import ragged
-from app.kvcache import TokenCache
+from app.model import ragged
+from app.model.kvcache import TokenCache
 from app.threads import model_threads, use_model_threads
 
 MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a row to leave

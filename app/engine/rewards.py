@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from app.config import ASSETS
+from app.paths import ASSETS
 
 _RESULT = re.compile(r"Result\s*=")
 

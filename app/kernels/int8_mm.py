@@ -1,4 +1,4 @@
-"""The int8 matmul of few tokens in C with AVX-512 VNNI (app/int8_mm.c), where the CPU has it; of any number of
+"""The int8 matmul of few tokens in C with AVX-512 VNNI (app/kernels/int8_mm.c), where the CPU has it; of any number of
 tokens where it also has AMX.
 
 Why: at decode each of a step's 121 matmuls has a few rows, and torch's kernels pay a fixed cost per call that
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from app.native import library
+from app.kernels.native import library
 
 BLOCK, GROUP = 32, 4  # output channels per pair of 16-channel blocks; inner values per 32-bit lane
 AMX_INNER = 64  # inner values per AMX tile (int8_mm.c's AMX_INNER): inner sizes off it stay on the VNNI loop
@@ -59,7 +59,7 @@ class PackedWeight:
 
     def combined(self, parts: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  fine: float) -> torch.Tensor | None:
-        """app.int8_rows.combine_rows(self.mm(parts), scale, weight_scale, bias) in one C call on the tile unit,
+        """app.kernels.int8_rows.combine_rows(self.mm(parts), scale, weight_scale, bias) in one C call on the tile unit,
         the same bits, without the int32 sums in memory (the LM head's; see mm_int8_combined); None where the
         tiles do not take these parts (or without memory): then call those two."""
         assert parts.dtype == torch.int8 and parts.shape[1] == self.in_features and parts.is_contiguous()

@@ -1,4 +1,4 @@
-"""The project's C functions (app/*.c), compiled once per CPU kind into the cache folder and called via ctypes.
+"""The project's C functions (app/kernels/*.c), compiled once per CPU kind into the cache folder and called via ctypes.
 
 Why C: at decode a step is hundreds of tiny operations (a token's activations are a few hundred floats), and
 each torch call costs microseconds of dispatch for almost no arithmetic; one C call does such a piece whole.
@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from app.config import cache_dir
+from app.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

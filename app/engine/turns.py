@@ -1,8 +1,8 @@
 """The segment engine: one chat turn is an episode of model segments with tool calls between them.
 
 UI-agnostic: it yields typed events (text deltas, segment and episode records, app.episode) that a CLI, an API
-or a page renders. Each session keeps its token ids and KV cache (app.kvcache.TokenCache); the system prompt is
-prefilled once per process and forked into every new session. A backend (app.backend) runs each model segment:
+or a page renders. Each session keeps its token ids and KV cache (app.model.kvcache.TokenCache); the system prompt is
+prefilled once per process and forked into every new session. A backend (app.backends.base) runs each model segment:
 the model in this process, or a model server; the engine keeps the turn loop, the tools and the events.
 """
 
@@ -21,56 +21,25 @@ from dataclasses import replace
 from itertools import count
 from typing import Generator
 
-import torch
 from transformers import DynamicCache
 
-from app.backend import Backend, SegmentRun
-from app.decoding import Holdback, Limit, Stop, StopReason, tokens_before
-from app.episode import (Episode, EpisodeFinished, Event, Provenance, Segment, SegmentFinished,  # noqa: F401
-                         SegmentStarted, Span, TextDelta, in_row_order)
-from app.guide import Guide, segment_guide
-from app.kvcache import TokenCache, kv_nbytes
-from app.local_backend import LocalBackend
-from app.model import LoadedModel
-from app.prompt import PromptError, default_prompt_template, render_prompt
+from app.backends.base import Backend, SegmentRun
+from app.backends.select import as_backend
+from app.decoding.guide import Guide, segment_guide
+from app.decoding.stops import Holdback, Limit, Stop, StopReason, tokens_before
+from app.engine.prompt import PromptError, default_prompt_template, render_prompt
+from app.engine.session import Session
+from app.episode import (Episode, EpisodeFinished, Event, Provenance, Segment, SegmentFinished, SegmentStarted,
+                         TextDelta)
+from app.model.kvcache import TokenCache, kv_nbytes
+from app.model.loading import LoadedModel
 from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, ToolCallError, calls_tool, encode,
                           neutralize, parse_tool_call)
-from app.settings import (MAX_QUESTION_CHARS, MIN_TEMPERATURE, InputError, Settings, clean_question,  # noqa: F401
-                          require_utf8)
-from app.tools.registry import Tool, default_tools, run_tool
+from app.settings import InputError, Settings, clean_question, require_utf8
+from app.tools.base import Tool
+from app.tools.registry import default_tools, run_tool
 
 log = logging.getLogger(__name__)
-
-
-class Session:
-    """One conversation: its tokens and KV cache, its episodes, its sampling generator, its lock."""
-
-    def __init__(self, cache: TokenCache, prompt_tokens: int, seed: int = 0):
-        self.cache = cache
-        self.prompt_tokens = prompt_tokens
-        self.episodes: list[Episode] = []
-        self.generator = torch.Generator().manual_seed(seed)
-        self.lock = threading.Lock()
-
-    def fork(self, kv: bool = True, turns: int | None = None) -> "Session":
-        """An independent copy (tokens, history so far, and the cache unless kv=False), e.g. to run one question
-        two ways side by side; `turns`: only the first turns, as they were before the next one was asked (to
-        run a turn again; the sampling generator's state stays the latest)."""
-        with self.lock:
-            other = Session(self.cache.fork() if kv else TokenCache(self.cache.ids), self.prompt_tokens)
-            other.episodes = list(self.episodes[:turns])
-            if len(other.episodes) < len(self.episodes):
-                other.cache.truncate(self.episodes[len(other.episodes)].query_start)
-            other.generator.set_state(self.generator.get_state())
-            return other
-
-    def spans(self) -> list[Span]:
-        """Who wrote each part of the session's tokens: system prompt, user, model, tool."""
-        spans = [Span("system", 0, self.prompt_tokens)]
-        for episode in self.episodes:
-            spans.append(Span("user", episode.query_start, episode.query_end))
-            spans.extend(Span(s.kind, s.start, s.end) for s in episode.segments)
-        return [s for s in spans if s.end > s.start]
 
 
 class Engine:
@@ -80,7 +49,7 @@ class Engine:
 
     def __init__(self, backend: Backend | LoadedModel, tools: Mapping[str, Tool] | None = None,
                  prompt: str | None = None):
-        self.backend = LocalBackend(backend) if isinstance(backend, LoadedModel) else backend
+        self.backend = as_backend(backend)
         self.tools = dict(default_tools() if tools is None else tools)
         self.prompt = render_prompt(default_prompt_template() if prompt is None else prompt, self.tools)
         self._specials = self.backend.special_token_texts
@@ -108,7 +77,7 @@ class Engine:
         return sum(kv_nbytes(kv) for kv in self.shared_kv())
 
     def shared_kv(self) -> list[DynamicCache]:
-        """The prefilled prompts' caches, which sessions read as their prefix (app.kvcache): those held, and those
+        """The prefilled prompts' caches, which sessions read as their prefix (app.model.kvcache): those held, and those
         let go of (release_prompts) that something still reads (a batch's rows, a session)."""
         with self._prompt_lock:
             held = [cache.own_kv for cache in self._prompt_caches.values() if cache.own_kv is not None]
@@ -219,7 +188,7 @@ class Engine:
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
     def guide(self, settings: Settings, claimed: str | None, after: Segment | None, calls: bool) -> Guide | None:
-        """A model segment's guide, None with the guide off (app.guide.segment_guide)."""
+        """A model segment's guide, None with the guide off (app.decoding.guide.segment_guide)."""
         return segment_guide(self.tools, claimed, after, calls) if settings.guide else None
 
     def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:

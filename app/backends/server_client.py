@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from app.backend import BackendError
+from app.backends.base import BackendError
 
 MAX_LINE = 1 << 20  # one server-sent event's line; a longer one is malformed data
 MAX_ERROR_BODY = 1 << 16

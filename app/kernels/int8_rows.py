@@ -1,10 +1,10 @@
 """The per-token work around an int8 matmul: splitting each activation row into two 7-bit parts with its own
-scale, and scaling the matmul's integer sums back. In C where a compiler is at hand (app.native), else in torch;
+scale, and scaling the matmul's integer sums back. In C where a compiler is at hand (app.kernels.native), else in torch;
 the same bits (tests/test_int8.py compares the two bitwise).
 
 Why C: at decode these are ~20 torch calls on a few hundred values around each of a step's 121 matmuls, each
 call a few microseconds of dispatch for almost no arithmetic (one layer's: ~80 us around its ~30 us of
-multiplying, on a Xeon with VNNI). One C call (`app/int8_rows.c`) does the same float32 operations, in the same
+multiplying, on a Xeon with VNNI). One C call (`app/kernels/int8_rows.c`) does the same float32 operations, in the same
 order, in ~4 us.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from app.native import library
+from app.kernels.native import library
 
 QMAX = 127  # a weight's largest int8 value
-ACT_MAX = 63  # an activation part's: 7 bits (app.int8's docstring)
+ACT_MAX = 63  # an activation part's: 7 bits (app.model.int8's docstring)
 FINE = 2 * ACT_MAX  # |rounding error| <= 1/2 step, so FINE steps of it fit in [-ACT_MAX, ACT_MAX]
 ROUNDER = 1.5 * 2**23  # a float32 of magnitude below 2**22 plus this lies where floats are the integers
 
@@ -91,7 +91,7 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 def _fits(x: torch.Tensor) -> bool:
     """Whether C can read x as it is: contiguous float32 or int32 in CPU memory. (The scales and biases it reads
-    beside x are app.int8's own: contiguous float32.)"""
+    beside x are app.model.int8's own: contiguous float32.)"""
     return x.dtype in _C_TYPES and x.is_cpu and x.is_contiguous()
 
 

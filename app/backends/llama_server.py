@@ -11,10 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from app.backend import BackendError
-from app.config import cache_dir
-from app.model import BUNDLED_GGUF, bundled_model_dir
-from app.server_client import ModelServer
+from app.backends.base import BackendError
+from app.backends.server_client import ModelServer
+from app.model.loading import BUNDLED_GGUF, bundled_model_dir
+from app.paths import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source distribution the binary is built from (see the build script)
 BUILD = f"{LLAMA_CPP_PYTHON_VERSION}-noamx"  # the build script's cache folder suffix (a new recipe, a new folder)

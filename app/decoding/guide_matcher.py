@@ -1,4 +1,4 @@
-"""A segment's guide (app.guide) applied to one tokenizer's tokens, by llguidance: the tokens the grammar allows
+"""A segment's guide (app.decoding.guide) applied to one tokenizer's tokens, by llguidance: the tokens the grammar allows
 next, the tokens it forces (the next text is fixed), and who chose each token.
 
 The mask is a bitmask llguidance fills (~10 us for a 49,152-token vocabulary); it is applied as a boolean index

@@ -8,7 +8,7 @@ products run exactly on fbgemm's int8 kernel (`ExactWeight`), else on float hard
 
 Where `_int_mm` is fast, few tokens (`FEW_TOKENS`) still go to a kernel that reads a weight laid out once:
 `_int_mm` re-lays its weight out at every call, a cost that does not shrink with the tokens (a one-row decode
-step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; docs/model-and-kernels.md). That kernel is app.int8_mm's where
+step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; docs/model-and-kernels.md). That kernel is app.kernels.int8_mm's where
 the C library has VNNI (no fixed cost per call), else fbgemm's (~20 us a call).
 
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
@@ -22,8 +22,8 @@ bytes and adds pairs of products in 16 bits, which is exact only with 7-bit acti
 Weights get one scale per output channel (8-bit). Embeddings, norms and attention stay float32,
 and so does the embedding table, which the LM head no longer shares once converted.
 
-The splitting and the scaling back live in app.int8_rows (in C where a compiler is at hand: the same bits); in
-the ragged pass app.int8_layer does them together with a layer's norms, rotary, SiLU and residual adds.
+The splitting and the scaling back live in app.kernels.int8_rows (in C where a compiler is at hand: the same bits); in
+the ragged pass app.kernels.int8_layer does them together with a layer's norms, rotary, SiLU and residual adds.
 """
 
 from __future__ import annotations
@@ -37,19 +37,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from app import int8_mm
-from app.int8_mm import PackedWeight
-from app.int8_rows import (
-    ACT_MAX,
-    FINE,
-    QMAX,
-    combine_rows,
-    quantize_rows,
-    split_rows,
-    split_rows_float,
-)
-from app.native import library
-from app.ragged import supports
+from app.kernels import int8_mm
+from app.kernels.int8_mm import PackedWeight
+from app.kernels.int8_rows import ACT_MAX, FINE, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
+from app.kernels.native import library
+from app.model.ragged import supports
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +113,7 @@ def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 FEW_TOKENS = 8  # where _int_mm is fast, inputs of up to this many tokens take fbgemm's kernel (_kernels)
-# ... or up to this many app.int8_mm's, which has no fixed cost per call (one row with 8 drafts, 9 tokens, over the
+# ... or up to this many app.kernels.int8_mm's, which has no fixed cost per call (one row with 8 drafts, 9 tokens, over the
 # shared prompt: 33.4-33.7 -> 25.8-27.0 ms a step against a limit of 8; 8 rows x 2 tokens 49.1-49.8 -> 45.6-45.8)
 PACKED_FEW_TOKENS = 16
 
@@ -132,7 +124,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  exact: bool = False, few: int | None = None, packed: bool = False):
         """`exact`: multiply on the exact kernel (ExactWeight) instead of with torch._int_mm: the same bits;
-        `packed`: on app.int8_mm's VNNI kernel (int8 parts; the same bits too); `few`: either only for inputs of
+        `packed`: on app.kernels.int8_mm's VNNI kernel (int8 parts; the same bits too); `few`: either only for inputs of
         up to this many tokens (None: all)."""
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
@@ -204,7 +196,7 @@ class Int8Linear(nn.Module):
         return self.few is None or tokens <= self.few
 
     def packed_for(self, tokens: int) -> bool:
-        """Whether an input of this many tokens goes to the packed kernel (app.int8_layer then calls it from C)."""
+        """Whether an input of this many tokens goes to the packed kernel (app.kernels.int8_layer then calls it from C)."""
         return self.packed and self._few(tokens)
 
     def sums(self, parts: torch.Tensor) -> torch.Tensor:
@@ -278,7 +270,7 @@ def int8_matmul_is_fast() -> bool:
 def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None,
             few: int | None = None, packed: bool = False) -> None:
     """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on the
-    exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.int8_mm's, for inputs of
+    exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.kernels.int8_mm's, for inputs of
     up to `few` tokens (None: all); exact None: all three chosen for this CPU (_kernels). `saved`: int8_state()
     of this model's conversion, taken instead of quantizing again where it holds a layer (app.model keeps it
     beside the converted weights)."""
@@ -312,8 +304,8 @@ def _kernels(config) -> tuple[bool, int | None, bool]:
     """(exact, few, packed) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for
     everything (where every layer's rows are short enough for it); where it is fast, a kernel without a fixed
     cost per call for few tokens (decode: the same bits, without _int_mm's per-call relayout of the weight) and
-    `_int_mm` for more: app.int8_mm's where the library has VNNI, else fbgemm's; where it also has AMX (and the
-    model's inner sizes suit its tiles), app.int8_mm's for every input. A library built with VNNI means the CPU
+    `_int_mm` for more: app.kernels.int8_mm's where the library has VNNI, else fbgemm's; where it also has AMX (and the
+    model's inner sizes suit its tiles), app.kernels.int8_mm's for every input. A library built with VNNI means the CPU
     has it, and so does torch's `_int_mm` there: no timing needed (on a Xeon with a large cache the probe's margin
     was ~1.4x, and a busy moment could tip it to the exact kernel for every input)."""
     packed = int8_mm.available()

@@ -1,19 +1,19 @@
-"""An int8 decoder layer with its work between the matmuls in a few C calls (app/int8_layer.c), for app.ragged.
+"""An int8 decoder layer with its work between the matmuls in a few C calls (app/kernels/int8_layer.c), for app.model.ragged.
 
 Why: at decode a layer's four matmuls are most of its arithmetic, but around them transformers' modules and
-app.int8's split and scaling are ~60 torch calls on a few hundred floats each, and on two cores their dispatch
+app.model.int8's split and scaling are ~60 torch calls on a few hundred floats each, and on two cores their dispatch
 cost more than the matmuls (a py-spy profile of a one-row int8 step: the weights' kernel ~41 % of the step,
 norms, rotary, the split and scaling, the residual adds and the Python between them most of the rest). Here a
 layer is: norm + split (one call), q/k/v matmul, scaling + rotary (two), attention as before, split, output
 matmul, scaling + residual add + norm + split (one), gate/up matmul, scaling + SiLU·up + split (one), down
-matmul, scaling + residual add (one). Where every row of a pass attends in app/attend_rows.c (decoding rows,
+matmul, scaling + residual add (one). Where every row of a pass attends in app/kernels/attend_rows.c (decoding rows,
 drafts, questions, tool results), one C call runs all the layers (forward_layers): the Python between a layer's
 calls was ~4 ms of a 13.7 ms one-token step, with the GIL held.
 
 Every token is computed alone in a fixed order, so a token's bits do not depend on the rows beside it (tested
 bitwise, as for the torch path). The norms and SiLU round differently from transformers' torch kernels (a
 different summation order, a polynomial e^x): within ~1e-6 of them, tested, and the same in every pass of a
-process, so cached and uncached runs stay token-identical. Where the C library is missing, app.ragged runs the
+process, so cached and uncached runs stay token-identical. Where the C library is missing, app.model.ragged runs the
 layers as torch modules instead.
 """
 
@@ -23,12 +23,12 @@ import ctypes
 
 import torch
 
-from app.int8_rows import ACT_MAX, FINE, by_dtype, empty_parts, pointer
-from app.native import library
+from app.kernels.int8_rows import ACT_MAX, FINE, by_dtype, empty_parts, pointer
+from app.kernels.native import library
 
 
 def fused_layers(model) -> FusedInt8Layers | None:
-    """The fused layers for a model converted by app.int8.to_int8 (Llama family: RMS norms, a SiLU-gated MLP),
+    """The fused layers for a model converted by app.model.int8.to_int8 (Llama family: RMS norms, a SiLU-gated MLP),
     where the C library is built; else None."""
     lib = library()
     layer = model.model.layers[0]
@@ -41,7 +41,7 @@ def fused_layers(model) -> FusedInt8Layers | None:
 
 
 class FusedInt8Layers:
-    """What app.ragged asks of a layer, in the fused calls: q/k/v for attention, then the rest of the layer.
+    """What app.model.ragged asks of a layer, in the fused calls: q/k/v for attention, then the rest of the layer.
     `hidden` is [1, tokens, width], contiguous float32, and is updated in place."""
 
     def __init__(self, lib):
@@ -113,7 +113,7 @@ class FusedInt8Layers:
 
     def whole_pass(self, model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> bool:
         """Every layer in one C call (forward_layers: per layer the calls above, attention in attend_rows), where
-        every row of the pass attends there (`batch`, its app.attend_rows.Batch) and every layer has the packed
+        every row of the pass attends there (`batch`, its app.kernels.attend_rows.Batch) and every layer has the packed
         kernel. False, with nothing done, otherwise. hidden is updated in place.
 
         The packed kernel takes any number of tokens here, also where calls from Python send more than a few
@@ -144,14 +144,14 @@ class FusedInt8Layers:
 
 
 class Linear(ctypes.Structure):
-    """An int8 layer as app/int8_layer.c's packed functions read it (its `Linear`)."""
+    """An int8 layer as app/kernels/int8_layer.c's packed functions read it (its `Linear`)."""
 
     _fields_ = [("packed", ctypes.c_void_p), ("colsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
 
 
 class LayerC(ctypes.Structure):
-    """A decoder layer as app/int8_layer.c's forward_layers reads it (its `Layer`)."""
+    """A decoder layer as app/kernels/int8_layer.c's forward_layers reads it (its `Layer`)."""
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float), ("qkv", Linear),
                 ("post_norm", ctypes.c_void_p), ("post_eps", ctypes.c_float), ("o", Linear), ("gate_up", Linear),

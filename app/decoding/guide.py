@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from app.episode import Segment
 from app.protocol import ANSWER_PREFIX, CALL, REQUEST, RESPONSE, SUBMIT
-from app.tools.registry import Tool, find_tool
+from app.tools.base import Tool
+from app.tools.registry import find_tool
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the Calculator's output (app.tools.numbers.format_number)
 

@@ -1,7 +1,7 @@
 """What the engine needs from whatever runs the model: one call per model segment.
 
-Two backends implement it: app.local_backend (the model in this process, forward passes on the session's
-TokenCache) and app.server_backend (a serving engine over HTTP: llama.cpp's server or vLLM). The engine keeps
+Two backends implement it: app.backends.local (the model in this process, forward passes on the session's
+TokenCache) and app.backends.server (a serving engine over HTTP: llama.cpp's server or vLLM). The engine keeps
 the turn loop, the tools and the events; a backend appends the segment's tokens to the session's ids (the
 ground truth either way) and records why the segment stopped, from the code or server that stopped it.
 `MODEL_SERVER_URL` chooses the server backend (see load_backend).
@@ -9,20 +9,19 @@ ground truth either way) and records why the segment stopped, from the code or s
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from app.decoding import Stop
+from app.decoding.stops import Stop
 from app.episode import Provenance
 
 if TYPE_CHECKING:
     import torch
 
-    from app.kvcache import TokenCache
+    from app.model.kvcache import TokenCache
     from app.settings import Settings
 
 
@@ -41,7 +40,7 @@ class SegmentRun:
     prefill_tokens: int | None = 0  # tokens fed through the model as new input; None: the server did not say
     cached_tokens: int | None = 0  # tokens whose keys/values came from a cache; None: the server did not say
     generated_tokens: int = 0  # tokens the model chose
-    # given by the engine: the GBNF grammar the segment's tokens follow (app.guide), None with the guide off
+    # given by the engine: the GBNF grammar the segment's tokens follow (app.decoding.guide), None with the guide off
     grammar: str | None = None
     # with a grammar: who chose each token the segment added (app.episode.Provenance), filled in by the backend
     provenance: list[Provenance] | None = None
@@ -57,7 +56,7 @@ class Backend(Protocol):
     lock: threading.RLock
     context_limit: int  # the most tokens a session may hold (the model's or the server's context)
     parallel: int  # how many segments it usefully runs at once (a batch's rows run this many at a time)
-    shares_prefix: bool  # sessions read the prefilled prompt's keys/values in place, not a copy (app.kvcache)
+    shares_prefix: bool  # sessions read the prefilled prompt's keys/values in place, not a copy (app.model.kvcache)
     special_token_texts: list[str]
 
     def prefill(self, cache: TokenCache) -> None:
@@ -66,42 +65,10 @@ class Backend(Protocol):
     def turn_scope(self) -> AbstractContextManager[None]:
         """Brackets one turn, from its question to its answer (tool runs included): in process, the model's next
         step waits a moment for a turn that is about to ask for a pass, so turns that start together prefill
-        together (app.scheduler.Scheduler.turn)."""
+        together (app.model.scheduler.Scheduler.turn)."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
         """Generate one model segment after `cache.ids`, appending its tokens to them and yielding text deltas;
         `run` records the stop and the counts. Precondition: `len(cache) < settings.max_length`. On an error the
         segment's tokens are rolled back, `run.stop` says ERROR, and the error propagates."""
-
-
-def load_backend() -> Backend:
-    """The backend the environment asks for: a model server when MODEL_SERVER_URL is set, else the model loaded
-    in this process (MODEL_ID / GGUF_FILE, default the bundled GGUF)."""
-    url = os.environ.get("MODEL_SERVER_URL", "").strip()
-    if url:
-        from app.server_backend import ServerBackend
-
-        return ServerBackend.from_env(url)
-    from app.local_backend import LocalBackend
-    from app.model import load_model
-
-    return LocalBackend(load_model())
-
-
-def concurrent_turns() -> int:
-    """How many turns the app runs at once. In process: as many rows as the scheduler batches into one step
-    (app.scheduler.MAX_ROWS). With a model server: server_parallel(), since the server batches them."""
-    if os.environ.get("MODEL_SERVER_URL", "").strip():
-        return server_parallel()
-    from app.scheduler import MAX_ROWS
-
-    return MAX_ROWS
-
-
-def server_parallel() -> int:
-    """MODEL_SERVER_PARALLEL (default 4, as many as `llama-server -np 4` has slots): segments sent at once."""
-    value = os.environ.get("MODEL_SERVER_PARALLEL", "4")
-    if not value.isdigit() or not 1 <= int(value) <= 64:
-        raise ValueError(f"MODEL_SERVER_PARALLEL must be a whole number from 1 to 64, not {value!r}")
-    return int(value)

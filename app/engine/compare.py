@@ -1,5 +1,5 @@
 """Run one question two ways, side by side, from the same point of a session: the cache on and off (what the cache
-saves), or the guide on and off (what the model writes alone, app.guide)."""
+saves), or the guide on and off (what the model writes alone, app.decoding.guide)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from app.engine import Engine, Episode, Session, Settings
+from app.engine.session import Session
+from app.engine.turns import Engine
+from app.episode import Episode
 from app.episode import total_or_none
+from app.settings import Settings
 
 
 @dataclass(frozen=True)

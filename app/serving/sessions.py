@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from app.engine import Session
-from app.kvcache import TokenCache, room_for
+from app.engine.session import Session
+from app.model.kvcache import TokenCache, room_for
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ TURN_TOKENS = 64
 
 def kv_after(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True) -> int:
     """The bytes a cache run from `session`'s point holds by the end of a job: room for TURN_TOKENS more tokens
-    (its storage grows in steps: app.kvcache.room_for). With the cache on, that cache is the session's own part;
+    (its storage grows in steps: app.model.kvcache.room_for). With the cache on, that cache is the session's own part;
     with it off, every segment recomputes the whole session in a cache of its own, the shared prompt's part
     included."""
     shared = session.prompt_tokens if use_cache and shares_prefix else 0

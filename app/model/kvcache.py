@@ -6,7 +6,7 @@ wrong logits without an error, which is why nothing else touches the cache.
 
 A session may hold the system prompt's keys/values by reference instead of by copy (`fork(share=True)`): the
 engine's prefilled prompt cache is its read-only *prefix*, and the session's own cache covers only the positions
-after it. Where the model runs through app.ragged, attention reads both parts (cascade attention); every other
+after it. Where the model runs through app.model.ragged, attention reads both parts (cascade attention); every other
 path gets one ordinary cache (`forward` joins the two first). So twenty chats hold one copy of the prompt's
 ~34 MB, not twenty, and KV_BUDGET_MB counts what each session really adds.
 """
@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 # A layer's storage grows by this much room at a time. It is also the KV budget's grain: every session holds up
-# to this much spare room, and a job reserves room in these steps (app.sessions.kv_reserve). At 128, 20 chats
+# to this much spare room, and a job reserves room in these steps (app.serving.sessions.kv_reserve). At 128, 20 chats
 # at once held 281 MB where 186 do at 32, and under `KV_BUDGET_MB=64` (the shared prompt's 36 MB leave ~600
 # tokens for the sessions) a turn reserved 256 tokens: two ran at once (load test, 20 sessions x 3 turns, one
 # run each: p95 first text 6.94 -> 5.44 s, turns/s 0.80 -> 0.98x solo, with kv_reserve's TURN_TOKENS). Growing
@@ -87,7 +87,7 @@ class GrowingLayer(DynamicLayer):
                 count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Room for `count` positions (default: key_states') after the n held: (key storage, value storage, n),
         each storage contiguous [..., room, head_dim] like key_states'. The layer covers the new positions from now
-        on, so the caller writes them before anything reads it (update; app.attend_rows.Batch, whose C call
+        on, so the caller writes them before anything reads it (update; app.kernels.attend_rows.Batch, whose C call
         writes a whole pass's keys at each row's place)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from app.attention import use_gqa_sdpa
-from app.int8 import SAVED_INT8, int8_state, to_int8
-from app.ragged import supports
-from app.scheduler import Scheduler
-from app.config import cache_dir
-from app.guide_matcher import GuideVocab
+from app.decoding.guide_matcher import GuideVocab
+from app.model.attention import use_gqa_sdpa
+from app.model.int8 import SAVED_INT8, int8_state, to_int8
+from app.model.ragged import supports
+from app.model.scheduler import Scheduler
+from app.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class LoadedModel:
 
     @functools.cached_property
     def guide_vocab(self) -> GuideVocab:
-        """The guide's view of the tokenizer (app.guide_matcher), built once per model when first needed."""
+        """The guide's view of the tokenizer (app.decoding.guide_matcher), built once per model when first needed."""
         with self.lock:  # the tokenizer
             return GuideVocab(self.tokenizer, self.eos_ids)
 
@@ -147,10 +147,10 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
 
 
 def weight_format() -> str:
-    """WEIGHTS: "int8" (the default: integer matmuls, app.int8) or "float32" (for exact comparisons). int8's decode
+    """WEIGHTS: "int8" (the default: integer matmuls, app.model.int8) or "float32" (for exact comparisons). int8's decode
     step measured 0.45-0.65x float32's where the CPU has VNNI (0.71-0.81x on an AVX-512 Xeon, whose float32 is
     twice as fast), with the same answer quality or better (docs/answer-quality-history.md); without VNNI it runs
-    on fbgemm's int8 kernel (the same bits, app.int8.ExactWeight; docs/model-and-kernels.md for its speed)."""
+    on fbgemm's int8 kernel (the same bits, app.model.int8.ExactWeight; docs/model-and-kernels.md for its speed)."""
     value = os.environ.get("WEIGHTS", "").strip().lower() or WEIGHT_FORMATS[0]
     if value not in WEIGHT_FORMATS:
         raise ValueError(f"WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_FORMATS)}")

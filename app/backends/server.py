@@ -8,9 +8,9 @@ stream and are appended to the session's ids, which stay the ground truth. The s
 reuse come from the server (llama.cpp `timings.prompt_n` / `cache_n`, vLLM `usage.prompt_tokens_details`);
 where it reports nothing they stay None, shown as "not reported".
 
-With the guide on (app.guide), the segment's GBNF grammar goes with the request (llama.cpp `grammar`, vLLM
+With the guide on (app.decoding.guide), the segment's GBNF grammar goes with the request (llama.cpp `grammar`, vLLM
 `structured_outputs: {"grammar": ...}`; never vLLM's old `guided_grammar`, which it now ignores), and the tokens
-that come back are replayed through the same grammar here (app.guide_matcher.replay): their provenance, and a
+that come back are replayed through the same grammar here (app.decoding.guide_matcher.replay): their provenance, and a
 clear error where the server did not keep to it. A server cannot say which tokens its grammar steered.
 
 Environment: MODEL_SERVER_URL (base URL), MODEL_SERVER_KIND (`llama.cpp` or `vllm`; detected when unset),
@@ -31,19 +31,19 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.backend import BackendError, SegmentRun, server_parallel
-from app.decoding import Limit, Stop, StopReason
+from app.backends.base import BackendError, SegmentRun
+from app.backends.server_client import ModelServer, ServerHTTPError
+from app.decoding.guide_matcher import GuideError, GuideVocab, replay
+from app.decoding.stops import Limit, Stop, StopReason
 from app.episode import Provenance
-from app.guide_matcher import GuideError, GuideVocab, replay
-from app.kvcache import TokenCache
-from app.model import load_tokenizer, special_token_texts
+from app.model.kvcache import TokenCache
+from app.model.loading import load_tokenizer, special_token_texts
 from app.protocol import STOP_STRINGS, encode
-from app.server_client import ModelServer, ServerHTTPError
 
 if TYPE_CHECKING:
     import torch
 
-    from app.engine import Settings
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class ServerBackend:
 
     @functools.cached_property
     def guide_vocab(self) -> GuideVocab:
-        """The guide's view of the tokenizer (app.guide_matcher), built once when a guided segment first ends."""
+        """The guide's view of the tokenizer (app.decoding.guide_matcher), built once when a guided segment first ends."""
         with self.lock:  # the tokenizer
             return GuideVocab(self.tokenizer)  # (the tokenizer's own EOS ends a grammar's text, as a completion)
 
@@ -404,3 +404,11 @@ def _count(value, name: str, server: ModelServer) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise BackendError(f"model server {server.url} sent malformed data: {name} = {value!r}")
     return value
+
+
+def server_parallel() -> int:
+    """MODEL_SERVER_PARALLEL (default 4, as many as `llama-server -np 4` has slots): segments sent at once."""
+    value = os.environ.get("MODEL_SERVER_PARALLEL", "4")
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"MODEL_SERVER_PARALLEL must be a whole number from 1 to 64, not {value!r}")
+    return int(value)

@@ -14,17 +14,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.backend import SegmentRun
-from app.decoding import Detokenizer, PromptLookup, Stop, StopChecker, StopReason, greedy, next_token
+from app.backends.base import SegmentRun
+from app.decoding.guide_matcher import GuideMatcher
+from app.decoding.sampling import PromptLookup, greedy, next_token
+from app.decoding.stops import Detokenizer, Stop, StopChecker, StopReason
 from app.episode import Provenance
-from app.guide_matcher import GuideMatcher
-from app.kvcache import TokenCache
-from app.model import LoadedModel
+from app.model.kvcache import TokenCache
+from app.model.loading import LoadedModel
+from app.model.scheduler import Cancelled
 from app.protocol import STOP_STRINGS
-from app.scheduler import Cancelled
 
 if TYPE_CHECKING:
-    from app.engine import Settings
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class LocalBackend:
         cfg = loaded.model.config.get_text_config()
         # a batch's rows at once where the scheduler batches them into one pass; else one after another
         self.parallel = loaded.scheduler.max_rows if loaded.scheduler.ragged else 1
-        self.shares_prefix = loaded.scheduler.ragged  # cascade attention reads a shared prefix (app.ragged)
+        self.shares_prefix = loaded.scheduler.ragged  # cascade attention reads a shared prefix (app.model.ragged)
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
     def turn_scope(self) -> AbstractContextManager[None]:

@@ -7,16 +7,16 @@ weights (projections, MLP, LM head), and split again only for attention, where e
 own session's DynamicCache. No padding, no masks between rows, no batch-resident copy of anyone's keys/values:
 after the pass each session's cache holds exactly its own tokens, as after a solo pass.
 
-A row may read a shared prefix (the system prompt's keys/values, held once for every session: app.kvcache): its
+A row may read a shared prefix (the system prompt's keys/values, held once for every session: app.model.kvcache): its
 queries attend to the prefix and to its own keys in two parts, merged by their log-sum-exp (cascade attention,
 as in FlashInfer), so the prefix is never copied. Every row reading one prefix reads it in the same kernel call,
 as FlashInfer's shared-prefix batch decode does: its keys/values are read once a step instead of once a row
 (8 decoding rows over the 900-token default prompt: 41 MB a step instead of 330). Rows with up to 64 new tokens
-(decoding, drafts, questions, tool results) do all of this in one C call a layer instead (app.attend_rows: cache
+(decoding, drafts, questions, tool results) do all of this in one C call a layer instead (app.kernels.attend_rows: cache
 writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 
 Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
-(app.int8_layer), and where every row attends in app.attend_rows, one C call for all the layers. Llama-family
+(app.kernels.int8_layer), and where every row attends in app.kernels.attend_rows, one C call for all the layers. Llama-family
 decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can take this path.
 """
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from app import attend_rows
-from app.int8_layer import fused_layers
+from app.kernels import attend_rows
+from app.kernels.int8_layer import fused_layers
 
 SUPPORTED = frozenset({"llama"})
 # PyTorch's CPU flash attention multiplies queries by keys in blocks of up to 32 queries (64 from 192 queries a
@@ -150,7 +150,7 @@ def _merge(head: torch.Tensor, head_lse: torch.Tensor, own: torch.Tensor, own_ls
 
 class TorchLayers:
     """A layer as the model's own modules compute it (any weights): what ragged_forward asks of a layer besides
-    attention. app.int8_layer.FusedInt8Layers answers the same for int8 weights in a few C calls."""
+    attention. app.kernels.int8_layer.FusedInt8Layers answers the same for int8 weights in a few C calls."""
 
     @staticmethod
     def attention_inputs(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -177,7 +177,7 @@ TORCH_LAYERS = TorchLayers()
 
 
 def _qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Queries, keys and values: one fused matmul where the weights have one (app.int8), else three."""
+    """Queries, keys and values: one fused matmul where the weights have one (app.model.int8), else three."""
     fused = getattr(attn, "qkv_proj", None)
     if fused is None:
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
@@ -189,7 +189,7 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     """Run every row's new tokens through `model` in one pass; return each row's last `keep` logits.
 
     Each row's cache grows by its tokens in every layer. If the pass raises, caches may be partly extended:
-    the caller restores them (app.kvcache.TokenCache.rollback)."""
+    the caller restores them (app.model.kvcache.TokenCache.rollback)."""
     inner = model.model
     spans, at = [], 0
     for row in rows:

@@ -10,10 +10,6 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 class StopReason(str, enum.Enum):
@@ -194,63 +190,3 @@ def tokens_before(ends: list[int], at: int) -> int:
     if keep < len(ends) and (ends[keep - 1] if keep else 0) < at:
         keep += 1
     return keep
-
-
-class PromptLookup:
-    """Draft tokens for greedy decoding by prompt lookup: the tokens that followed the most recent earlier
-    occurrence of the session's last n tokens (n = 3, 2). Small models copy a lot (the expression from the
-    question into the tool call, the tool's result into the answer), and one forward pass verifies a whole
-    draft; only drafts equal to the model's own greedy choices are kept, so the output does not change.
-
-    The index maps each n-gram to the position after its latest occurrence; it grows by O(1) per token.
-    """
-
-    def __init__(self, ids: list[int], max_ngram: int = 3, min_ngram: int = 2):
-        self._ids = ids  # the session's live list: grows as tokens are accepted
-        self._sizes = range(max_ngram, min_ngram - 1, -1)
-        self._after: dict[tuple[int, ...], int] = {}
-        self._indexed = 1
-        self.sync()
-
-    def sync(self) -> None:
-        """Index every position whose continuation is known (all but the last token): for each size, the n-grams
-        ending before positions lo..end-1 in order, so each keeps its latest. In C loops (zip, dict.update): a
-        segment indexes its session's whole prompt first, ~1 ms a segment one tuple at a time, which 8 turns
-        starting together paid one after another before their first pass."""
-        ids, end = self._ids, len(self._ids)
-        for n in self._sizes:
-            lo = max(self._indexed, n)
-            if lo < end:
-                grams = zip(*(ids[lo - n + j:end - n + j] for j in range(n)))
-                self._after.update(zip(grams, range(lo, end)))
-        self._indexed = max(self._indexed, end)
-
-    def propose(self, k: int) -> list[int]:
-        ids, end = self._ids, len(self._ids)
-        for n in self._sizes:
-            at = self._after.get(tuple(ids[end - n:end]))
-            if at is not None:
-                return ids[at:at + k]
-        return []
-
-
-def greedy(logits: torch.Tensor) -> int:
-    """The index of the largest of one position's logits (the first, on a tie), by NumPy's argmax: the same choice
-    as torch.argmax, ~3 us for the vocabulary against torch's 73 us (a scalar loop). Each row picks 1-9 tokens a
-    step, each in its own thread, so this was ~2 ms of Python between two 8-row steps."""
-    return int(logits.detach().float().numpy().argmax())  # (float(): a bfloat16 model's logits too)
-
-
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else nucleus sampling."""
-    import torch  # here, not at the top: Stop and the other records here are imported by the light CLI commands
-
-    if temperature <= 0:
-        return greedy(logits)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))

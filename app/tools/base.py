@@ -1,0 +1,51 @@
+"""What a tool is, what it returns and how it rejects a query: the types every tool imports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+class ToolError(Exception):
+    """A rejection with a short, user-facing message (shown to the model as `error: <message>`). `hint`: (another
+    tool's name, advice that names it), added to the message only where that tool is in the session's tool set:
+    advice to use a tool that is switched off would send the model to an unknown tool."""
+
+    def __init__(self, message: str, hint: tuple[str, str] | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+class Misrouted(ToolError):
+    """A query that belongs to another tool (`tool`): run_tool passes it on where the session has that tool, and
+    the model reads that tool's output; elsewhere it is this error. Why: a small model sends small sums to Search
+    ("What is 3 - 7?"), and given an error that named the Calculator's result it answered "Result = 3 - 7: 3"."""
+
+    def __init__(self, message: str, tool: str):
+        super().__init__(message)
+        self.tool = tool
+
+
+def _as_is(output: str) -> str:
+    return output
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str  # one line, goes into the system prompt
+    function: Callable[[str], str]
+    answer: Callable[[str], str] = _as_is  # the answer a few-shot example gives from this tool's output
+    ability: str = ""  # what the assistant has, in a greeting's words ("a calculator"): a prompt's {abilities}
+    action: str = ""  # what a visitor may ask of it ("calculate"): a prompt's {actions} (none: "use <name>")
+    # the query this tool takes from a question it answers whatever the model would write (the Calculator: a sum
+    # written in symbols); None where the model decides
+    claims: Callable[[str], str | None] | None = None
+    max_query: int = 200  # the longest input a guided call writes (app.decoding.guide): where it is reached, the call ends
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    ok: bool
+    ran: str | None = None  # the tool that answered, where the one called passed the query on (Misrouted)
