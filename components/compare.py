@@ -1,4 +1,4 @@
-"""Cache on vs off, or guide on vs off, side by side: an app.engine.compare.Comparison or GuideComparison -> a markdown
+"""Cache on vs off, or guide on vs off, side by side: an app.engine.comparisons.Comparison or GuideComparison -> a markdown
 table. Pure, no server needed."""
 
 from __future__ import annotations

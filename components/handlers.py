@@ -1,28 +1,18 @@
-"""Event handlers: one ChatService per process holds the shared model, one Engine per tool set and the
-server-side SessionStore. The page's Gradio session hash keys the store; no user state lives in globals or
-in gr.State (KV tensors would be deep-copied per visitor and kept an hour).
+"""The page's event handlers: ChatService adds them to the process's shared serving pieces (app.serving.Service).
+The page's Gradio session hash keys the server-side SessionStore; no user state lives in globals or in gr.State
+(KV tensors would be deep-copied per visitor and kept an hour).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import gradio as gr
 
-from app.backends import Backend, load_backend
-from app.backends.local import LocalBackend
-from app.backends.server import ServerBackend
-from app.engine import compare, compare_guide
-from app.engine import Engine, Session, default_prompt_template
+from app.engine import Engine, Session, compare, compare_guide
 from app.episode import SegmentFinished, SegmentStarted, TextDelta
-from app.model.kvcache import kv_nbytes
-from app.model.loading import LoadedModel
-from app.serving import Entry, SessionStore, kv_after, kv_reserve
-from app.serving import in_batches
+from app.serving import Service, in_batches
 from app.settings import InputError, Settings, clean_question
-from app.tools import default_tools, get_tools
 from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
@@ -33,97 +23,15 @@ from components.status import done_status, failure_status
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import guided_spans, token_spans
 
-WARM_UP_QUESTION = "What is 1 + 1?"  # (warm_up: a turn that calls a tool, on a session nobody sees)
-
 MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the running one too): more stay in the box
 
 
-class ChatService(ApiHandlers, BatchTab):
-    """The process's shared pieces: the model backend (loaded lazily, once: in process, or a model server when
-    MODEL_SERVER_URL is set), engines by tool set, the session store."""
-
-    def __init__(self, loader: Callable[[], Backend | LoadedModel] | None = None, store: SessionStore | None = None):
-        self._loader = loader or load_backend
-        self._backend: Backend | None = None
-        self._engines: dict[tuple[str, ...], Engine] = {}
-        self._lock = threading.Lock()
-        self.store = store if store is not None else SessionStore()  # (an empty store is falsy: it has a len)
-        self.store.release_shared = self.release_prompts
-
-    # ---- shared model and engines ---------------------------------------------------------------------------
-    @property
-    def backend(self) -> Backend:
-        """Loaded on first use; a model server that is down raises a BackendError and is asked again next time."""
-        with self._lock:
-            if self._backend is None:
-                loaded = self._loader()
-                self._backend = LocalBackend(loaded) if isinstance(loaded, LoadedModel) else loaded
-            return self._backend
-
-    def engine_for(self, tools: Sequence[str] | None) -> Engine:
-        """The engine for a tool subset (None: every tool); engines share the model and are built once."""
-        available = default_tools()
-        try:
-            chosen = get_tools(tools)  # case-insensitive, like the CLI's --tools
-        except ValueError as error:
-            raise InputError(str(error)) from None
-        key = tuple(name for name in available if name in chosen)  # registry order: one engine per subset
-        backend = self.backend
-        with self._lock:
-            engine = self._engines.get(key)
-            if engine is None:
-                engine = self._engines[key] = Engine(backend, tools={n: available[n] for n in key})
-            return engine
+class ChatService(Service, ApiHandlers, BatchTab):
+    """The page's events on the process's shared pieces (app.serving.Service)."""
 
     def warm_up(self) -> None:
-        """Load the model, prefill the default system prompt and run one short turn on a session of its own,
-        before the first visitor: a new server's first turn also built the answer line's token table (49,152
-        decodes) and ran every kernel and tool for the first time (in process: first text 0.22 s, then 0.03 s;
-        over HTTP, the load test's first turn 0.47 s, then 0.06 s)."""
-        engine = self.engine_for(None)
-        settings = dataclasses.replace(DEFAULTS, max_new_tokens=16,  # (a model server's slot may hold < 2,048)
-                                       max_length=min(DEFAULTS.max_length, engine.context_limit))
-        engine.ask(engine.new_session(), WARM_UP_QUESTION, settings)
-
-    def decode(self, ids: list[int]) -> str:
-        backend = self.backend
-        with backend.lock:
-            return backend.tokenizer.decode(ids, skip_special_tokens=False)
-
-    # ---- sessions -------------------------------------------------------------------------------------------
-    def prepare(self, entry: Entry, engine: Engine, settings: Settings, prompt: str | None = None,
-                message: str | None = None) -> Session:
-        """The entry's session for this engine and prompt template (None: the default one): created when
-        missing; a different tool set or prompt starts a new chat, with a note. A new session that cannot take
-        `message` (a prompt too long for max_length) raises before it replaces the chat: a rejected message
-        used to leave the visitor with the new, empty chat and the old one gone (found in Chromium)."""
-        key = tuple(engine.tools)
-        prompt = default_prompt_template() if prompt is None else prompt
-        current = self.matching_session(entry, engine, prompt)
-        if current is not None:
-            return current
-        old = entry.session
-        # the new session first: a prompt the engine rejects (e.g. too long) leaves the chat as it was
-        session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
-        if message is not None:
-            engine.query_ids(session, message, settings)  # (room for the message, before the chat is replaced)
-        if old is not None and old.episodes:
-            if entry.engine_key != key:
-                listed = ", ".join(key) or "none"
-                entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
-            else:
-                entry.notes = ["System prompt changed: started a new chat."]
-        else:
-            entry.notes = []  # (a note about a chat that has since been replaced unanswered is not this one's)
-        entry.session, entry.engine_key, entry.prompt = session, key, prompt
-        return session
-
-    def matching_session(self, entry: Entry, engine: Engine, prompt: str) -> Session | None:
-        """The entry's session if it was started with this tool set and prompt (else None)."""
-        session = entry.session
-        if session is not None and entry.engine_key == tuple(engine.tools) and entry.prompt == prompt:
-            return session
-        return None
+        """Service.warm_up with the page's defaults."""
+        super().warm_up(DEFAULTS)
 
     def token_view(self, session: Session | None) -> list[tuple[str, str]]:
         if session is None:
@@ -134,45 +42,8 @@ class ChatService(ApiHandlers, BatchTab):
     def stats(self, session: Session | None) -> str:
         backend = self._backend  # read once, never loaded here: the page shows stats before the first turn
         return stats_markdown(session, self.store.stats(self.shared_kv_bytes()), backend.name if backend else None,
-                              kv_on_server=isinstance(backend, ServerBackend))
+                              kv_on_server=self.kv_on_server(backend))
 
-    def shared_kv_bytes(self) -> int:
-        """KV of the shared prefilled prompts, each counted once in the sessions' budget: every engine's, and any
-        an engine has let go of (a visitor's prompt, least recently used) that sessions still read."""
-        with self._lock:
-            engines = list(self._engines.values())
-        held = {id(kv): kv for engine in engines for kv in engine.shared_kv()}
-        held.update((id(kv), kv) for kv in self.store.prefixes())
-        return sum(kv_nbytes(kv) for kv in held.values())
-
-    def release_prompts(self) -> int:
-        """The store's release_shared: every engine lets go of the visitors' prompts no session reads; the bytes
-        freed."""
-        before = self.shared_kv_bytes()
-        read = {id(kv) for kv in self.store.prefixes()}
-        with self._lock:
-            engines = list(self._engines.values())
-        for engine in engines:
-            engine.release_prompts(read)
-        return before - self.shared_kv_bytes()
-
-    def turn_room(self, session: Session, use_cache: bool) -> dict:
-        """SessionStore.turn_slot's room for a turn of a session the store holds: with the cache on, what its cache
-        will hold by the turn's end, filled by that cache (nothing where the keys/values live on a model server)."""
-        if not use_cache:  # (every segment recomputes in a cache of its own, which the store does not hold)
-            return dict(reserve=self.kv_reserve(session, use_cache=False))
-        loaded = getattr(self.backend, "loaded", None)
-        if loaded is None:
-            return {}
-        return dict(reserve=kv_after(session, loaded.kv_bytes_per_token, shares_prefix=self.backend.shares_prefix),
-                    fills=session.cache)
-
-    def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
-        """app.serving.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""
-        loaded = getattr(self.backend, "loaded", None)
-        if loaded is None:
-            return 0
-        return kv_reserve(session, loaded.kv_bytes_per_token, use_cache, self.backend.shares_prefix, rows)
 
     # ---- page events ----------------------------------------------------------------------------------------
     def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,

@@ -168,7 +168,7 @@ def test_real_model_episode_cached_equals_uncached(real):
 
 
 def test_compare_runs_both_ways_on_forks_and_leaves_the_session_alone(tiny):
-    from app.engine.compare import compare
+    from app.engine.comparisons import compare
 
     engine = Engine(tiny, prompt=PROMPT)
     session = engine.new_session()
@@ -186,7 +186,7 @@ def test_compare_can_run_the_last_turn_again_from_where_it_was_asked(tiny, kv):
     """Regression (a visitor's pass): Compare of the chat's last question asked it again after its own answer, so
     its "cache on" answer differed from the chat's ("kluge" searched after "kludge"). A fork of the first turns
     holds the tokens and cache from before the next question, and running that question gives the chat's bits."""
-    from app.engine.compare import compare
+    from app.engine.comparisons import compare
 
     engine = Engine(tiny, prompt=PROMPT)
     session = engine.new_session()

@@ -28,7 +28,7 @@ from app.backends.llama_server import LlamaServer, free_port
 from app.backends.server import ServerBackend
 from app.backends.server_client import ModelServer
 from app.decoding.stops import Limit, StopReason
-from app.engine.compare import compare
+from app.engine.comparisons import compare
 from app.engine.prompt import default_prompt_template
 from app.engine.turns import Engine
 from app.episode import SegmentFinished, TextDelta

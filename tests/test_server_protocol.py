@@ -12,7 +12,7 @@ from app.backends.base import BackendError
 from app.backends.server import End, LlamaCpp, ServerBackend, Vllm
 from app.backends.server_client import ModelServer
 from app.decoding.stops import Stop, StopReason
-from app.engine.compare import Comparison
+from app.engine.comparisons import Comparison
 from app.engine.turns import Engine
 from app.episode import Episode, Provenance, Segment
 from app.protocol import CALL, encode

@@ -13,7 +13,7 @@ import pytest
 from gradio.utils import get_upload_folder
 
 from app.decoding.stops import Stop, StopReason
-from app.engine.compare import Comparison, GuideComparison
+from app.engine.comparisons import Comparison, GuideComparison
 from app.engine.prompt import default_prompt_template
 from app.engine.rewards import builtin_questions, exact_match
 from app.episode import Episode, Provenance, Segment

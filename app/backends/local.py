@@ -1,6 +1,6 @@
 """The model in this process: one model segment is a series of forward passes over the session's TokenCache
 (only uncached tokens are fed), sampling or verified prompt-lookup drafts, and a per-token stop check. The
-per-token work runs in the model scheduler's thread right after each pass (SegmentSteps), as a serving engine's
+per-token work runs in the model scheduler's thread right after each pass (LocalSegment), as a serving engine's
 loop does; the segment's own thread streams the text."""
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class LocalBackend:
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
-        """The segment's passes go through the scheduler with their per-token work (SegmentSteps) done in its
+        """The segment's passes go through the scheduler with their per-token work (LocalSegment) done in its
         thread right after each pass; this thread streams the text they queue."""
         if not settings.use_cache:
             cache.drop_kv()
-        steps = SegmentSteps(self, cache, settings, cancel, run, generator)
+        steps = LocalSegment(self, cache, settings, cancel, run, generator)
         request, read = None, False
         try:
             keep = steps.next_pass()
@@ -121,7 +121,7 @@ class LocalBackend:
         return tokens, chosen_by
 
 
-class SegmentSteps:
+class LocalSegment:
     """One model segment's per-token work between its passes: the tokens the model agrees with (drafts) and its
     own next one, their text, the stop check, the next drafts. Runs in the scheduler's thread right after each
     pass (`passed`), as a serving engine's loop does, so the row is in the next step without waking its thread;

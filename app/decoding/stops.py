@@ -100,11 +100,11 @@ class StopChecker:
         self.eos_ids = eos_ids
         self._keep = max((len(s) for s in stop_strings), default=1) - 1
 
-    def start(self) -> "SegmentStops":
-        return SegmentStops(self)
+    def start(self) -> "StopScan":
+        return StopScan(self)
 
 
-class SegmentStops:
+class StopScan:
     """One segment's running state for a StopChecker: only a short tail of the text seen so far."""
 
     def __init__(self, checker: StopChecker):

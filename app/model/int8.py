@@ -40,7 +40,6 @@ from torch import nn
 from app.kernels import int8_mm
 from app.kernels.int8_mm import PackedWeight
 from app.kernels.int8_rows import ACT_MAX, FINE, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
-from app.kernels.native import library
 from app.model.ragged import supports
 
 log = logging.getLogger(__name__)
@@ -295,7 +294,7 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
                             int8(f"{at}.mlp.down_proj", mlp.down_proj), mlp.act_fn)
     model.lm_head = int8("lm_head", model.lm_head)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
-    library()  # the C functions, built now (once per CPU kind, ~1 s) rather than by the first question
+    int8_mm.available()  # the C functions, built now (once per CPU kind, ~1 s) rather than by the first question
     if exact or packed:
         _prepare(model)
 

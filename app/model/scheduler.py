@@ -4,7 +4,7 @@ Continuous batching as serving engines do it, kept small: a session's thread (a 
 row) asks for passes over its uncached tokens; the scheduler's thread takes every waiting request at a step
 boundary and runs them as one ragged pass (app.model.ragged), so rows join when they ask and leave when their segment
 stops, each with its own settings, sampling generator, stop checker and cancel. A decoding row's per-token work
-(app.backends.local.SegmentSteps: its tokens, their text, the stop check, the next drafts) runs here right after
+(app.backends.local.LocalSegment: its tokens, their text, the stop check, the next drafts) runs here right after
 its pass (`submit(..., then=...)`), and its thread only streams the text; tools run in the session's thread,
 never on the model's.
 

@@ -1,0 +1,157 @@
+"""The house rules, read from the code's imports (ast, every import at any depth, TYPE_CHECKING ones included):
+no import circles; app/ never imports components/ or gradio; C is reached only through app/kernels/; the page
+(components/, app.py) imports only the packages' faces and the shared leaves, never a package's inner module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("app", "components")
+LEAVES = {"app", "app.settings", "app.protocol", "app.episode", "app.paths", "app.threads"}
+PAGE_FACES = {"app.engine", "app.backends", "app.serving", "app.decoding", "app.tools"}
+
+
+def module_files() -> dict[str, Path]:
+    """Module name -> file, for app/, components/ and app.py (as "app_py": `app` is the package)."""
+    found = {"app_py": ROOT / "app.py"}
+    for top in PACKAGES:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_names(path: Path, module: str) -> set[str]:
+    """Every dotted name an import in `path` names (modules and `module.name` for from-imports)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def resolve(name: str, modules: set[str]) -> str | None:
+    """The project module a dotted name lands in (its longest prefix that is one), or None (outside)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(project module -> project modules it imports, module -> every dotted name it imports)."""
+    files = module_files()
+    raw = {m: imported_names(path, m) for m, path in files.items()}
+    graph = {}
+    for m, names in raw.items():
+        targets = {resolve(n, set(files)) for n in names} - {None, m}
+        # a module's own package's __init__ runs before it anyway: importing a sibling through it is no circle
+        graph[m] = {t for t in targets if not (m.startswith(t + ".") and files[t].name == "__init__.py")}
+    return graph, raw
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = []
+                while True:
+                    top = stack.pop()
+                    part.append(top)
+                    if top == node:
+                        break
+                if len(part) > 1:
+                    found.append(sorted(part))
+    return found
+
+
+def broken_rules(graph: dict[str, set[str]], raw: dict[str, set[str]]) -> list[str]:
+    """Every house rule the imports break, one line each (empty: the house is in order)."""
+    problems = [f"import circle: {' -> '.join(c)}" for c in circles(graph)]
+    for m, names in sorted(raw.items()):
+        tops = {n.split(".")[0] for n in names}
+        in_app = m == "app" or m.startswith("app.")
+        in_kernels = m.startswith("app.kernels")
+        if in_app and tops & {"components", "gradio"}:
+            problems.append(f"{m} imports {sorted(tops & {'components', 'gradio'})}: app/ has no UI imports")
+        if "ctypes" in tops and not in_kernels:
+            problems.append(f"{m} imports ctypes: C is reached only through app/kernels/")
+        if in_app and not in_kernels and any(t.startswith("app.kernels.native") for t in graph[m]):
+            problems.append(f"{m} imports app.kernels.native: only the kernels' bindings load the C library")
+        if not in_app:  # the page: components/ and app.py
+            for target in sorted(t for t in graph[m] if t.startswith("app")):
+                if target not in LEAVES and target not in PAGE_FACES:
+                    problems.append(f"{m} imports {target}: the page imports only a package's face or a shared leaf")
+    return problems
+
+
+def test_the_project_keeps_the_house_rules():
+    graph, raw = import_graph()
+    assert broken_rules(graph, raw) == []
+
+
+def test_c_sources_live_only_in_the_kernels_package():
+    stray = [p.relative_to(ROOT) for p in (ROOT / "app").rglob("*.[ch]") if p.parent != ROOT / "app" / "kernels"]
+    assert stray == []
+    assert sorted(p.name for p in (ROOT / "app" / "kernels").glob("*.c"))  # (the build reads them from there)
+
+
+@pytest.mark.parametrize("graph, raw, expected", [
+    ({"app.a": {"app.b"}, "app.b": {"app.c"}, "app.c": {"app.a"}}, {}, "import circle: app.a -> app.b -> app.c"),
+    ({"app.a": set()}, {"app.a": {"components.chat"}}, "app.a imports ['components']"),
+    ({"app.a": set()}, {"app.a": {"gradio"}}, "app.a imports ['gradio']"),
+    ({"app.model.int8": set()}, {"app.model.int8": {"ctypes"}}, "app.model.int8 imports ctypes"),
+    ({"app.model.int8": {"app.kernels.native"}}, {"app.model.int8": {"app.kernels.native"}},
+     "app.model.int8 imports app.kernels.native"),
+    ({"components.chat": {"app.model.kvcache"}}, {"components.chat": {"app.model.kvcache"}},
+     "components.chat imports app.model.kvcache"),
+    ({"app_py": {"app.backends.server"}}, {"app_py": {"app.backends.server"}}, "app_py imports app.backends.server"),
+])
+def test_each_rule_catches_what_it_forbids(graph, raw, expected):
+    """Each rule fails on a tree that breaks it (so the test above can fail)."""
+    full_raw = {m: raw.get(m, set()) | graph[m] for m in graph}
+    problems = broken_rules(graph, full_raw)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_faces_and_inner_modules_are_told_apart():
+    """A face import passes and a kernels binding may load the library: the rules forbid only what they name."""
+    graph = {"components.chat": {"app.engine", "app.episode"}, "app.kernels.int8_mm": {"app.kernels.native"},
+             "app.engine": set(), "app.episode": set(), "app.kernels.native": set()}
+    raw = {"components.chat": {"app.engine", "app.episode"}, "app.kernels.int8_mm": {"app.kernels.native"},
+           "app.kernels.native": {"ctypes"}, "app.engine": set(), "app.episode": set()}
+    assert broken_rules(graph, raw) == []
