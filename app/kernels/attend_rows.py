@@ -4,11 +4,10 @@ their drafts, questions and tool results, whatever the length of their past or o
 Why: otherwise each row and layer takes a PyTorch flash call for the shared prefix's part, a cache write, a call
 for the row's own part and a merge of the two, each mostly fixed dispatch cost (docs/model-and-kernels.md). Here
 one call a layer writes every such row's new keys/values into its cache's room (kvcache.GrowingLayer.reserve) and
-computes each new query over the prefix's keys and its own: every row's queries over a prefix they share 16 at a time (one vector lane each, so a key is
-read once for all of them), then each row's over its own keys, the two parts merged as flash attention merges
-blocks. Each query is computed in its own lane in a fixed order (the same whatever the row's token count, task or
-lane), so a row's bits never depend on the rows beside it; longer rows (prefill chunks) stay with the flash
-kernel's blocked matmuls."""
+computes each new query over the prefix's keys and its own: every row's queries over a prefix they share 16 at a
+time (one vector lane each, so a key is read once for all of them), then each row's over its own keys, the two
+parts merged as flash attention merges blocks. Each query is computed in its own lane in a fixed order, so a
+row's bits never depend on the rows beside it; longer rows (prefill chunks) stay with the flash kernel."""
 
 from __future__ import annotations
 
