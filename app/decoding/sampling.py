@@ -45,8 +45,7 @@ class PromptLookup:
 
 
 def greedy(logits: torch.Tensor) -> int:
-    """The index of the largest of one position's logits (the first on a tie), as torch.argmax chooses, by NumPy's
-    much faster argmax (docs/model-and-kernels.md)."""
+    """The largest logit's index (the first on a tie), as torch.argmax, by NumPy's faster argmax."""
     return int(logits.detach().float().numpy().argmax())  # (float(): a bfloat16 model's logits too)
 
 

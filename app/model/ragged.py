@@ -11,7 +11,7 @@ A row may read a shared prefix (the system prompt's keys/values, held once for e
 queries attend to the prefix and to its own keys in two parts, merged by their log-sum-exp (cascade attention,
 as in FlashInfer), so the prefix is never copied. Every row reading one prefix reads it in the same kernel call,
 as FlashInfer's shared-prefix batch decode does: its keys/values are read once a step instead of once a row
-(8 decoding rows over the 900-token default prompt: 41 MB a step instead of 330). Rows with up to 64 new tokens
+(docs/architecture.md). Rows with up to 64 new tokens
 (decoding, drafts, questions, tool results) do all of this in one C call a layer instead (app.kernels.attend_rows: cache
 writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 

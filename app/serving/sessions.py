@@ -245,8 +245,7 @@ class SessionStore:
         return stop
 
     def enforce_budget(self, shared_bytes: int = 0) -> list[str]:
-        """Drop the KV of least recently used sessions (not of one whose turn runs) until they fit the budget
-        beside `shared_bytes`; return their keys. Their ids and history stay: the next turn recomputes the cache."""
+        """Drop idle sessions' KV, least recently used first, to fit the budget beside `shared_bytes`; their keys."""
         return self._drop_to_budget(shared_bytes)[0]
 
     def _drop_to_budget(self, shared_bytes: int, jobs: Sequence[_Reservation] = ()) -> tuple[list[str], int]:
