@@ -26,11 +26,9 @@ def main() -> None:
         except Exception:  # (the warm-up is for speed only: the page still starts, and each turn reports its own)
             logging.getLogger(__name__).exception("the warm-up turn failed")
     demo = build_demo(service)
-    # What is alive now lives as long as the server (the model, the page, the tokenizer's vocabulary, the answer
-    # grammar's tables: ~460,000 objects; with WARM_UP=0 the model loads later): out of the cyclic collector's
-    # scans, whose full passes took ~200 ms in whichever thread set them off, often the model's scheduler, every
-    # visitor's row waiting (8 chats at once, 6 rounds: 229 ms of collections against 11 ms frozen). Collected
-    # first, so no garbage is frozen with it; objects made later are collected as usual.
+    # What is alive now (model, page, vocabulary, grammar tables) lives as long as the server: freezing it keeps it
+    # out of the cyclic collector's full passes, which stall whichever thread runs them, often the model's scheduler
+    # (docs/concurrency.md). Collected first, so no garbage is frozen; later objects are collected as usual.
     gc.collect()
     gc.freeze()
     demo.launch(**launch_kwargs())

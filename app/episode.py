@@ -162,8 +162,7 @@ class Episode:
 
     @property
     def mask(self) -> list[int]:
-        """TRL's mask over token_ids: 1 for tokens the policy chose (the model's, steered ones included: drop
-        those with `provenance`), 0 for inserted ones (query, tool output) and those the guide forced."""
+        """TRL's mask over token_ids: 1 for tokens the policy chose (steered ones too), 0 for inserted or forced."""
         return [int(p in ("model", "steered")) for p in self.provenance]
 
     def to_json(self) -> dict:

@@ -1,17 +1,10 @@
 """Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.model.scheduler).
 
-Every thread that runs a parallel kernel gets an OpenMP thread pool of its own, and once a second pool exists,
-small kernels run about twice as slowly in every thread on this 2-core machine (measured: an int8 `_int_mm` of
-decode size 49-67 us in the only pooled thread against 141-194 us in a second one; a whole int8 decode step
-29-31 ms on the main thread against 50-52 ms on the scheduler's thread after the main thread had loaded the
-model). So every thread starts with one intra-op thread (OMP_NUM_THREADS=1, set before torch starts OpenMP) and
-the scheduler's thread alone takes MODEL_THREADS (default: the cores this process may use).
-
-`torch.set_num_threads` also sets the default of every thread that starts *later*, so after the scheduler had
-taken its threads each new batch row or request thread got a pool of two on its first parallel kernel (an
-argmax over the vocabulary is one). libgomp, managing more threads than cores, then stops its workers spinning
-between kernels: ~1,300 sleeps and wake-ups a step, and an 8-row step took 100-130 ms instead of 58-65. So the
-scheduler's thread hands the default back (`use_model_threads`).
+Every thread that runs a parallel kernel gets an OpenMP thread pool of its own, and once there are more pool
+threads than cores, libgomp stops spinning between kernels and small kernels slow down in every thread. So every
+thread starts with one intra-op thread (OMP_NUM_THREADS=1, set before torch starts OpenMP), the scheduler's thread
+alone takes MODEL_THREADS (default: the cores this process may use), and it hands back the default that
+`torch.set_num_threads` also sets for threads started later (`use_model_threads`). Figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -159,11 +159,8 @@ def _partial(run: BatchRun) -> str:
 
 
 def episode_record(episode: Episode) -> dict:
-    """One episode as a trainer reads it (TRL's TextEnvironment shape): the turn's token ids (the question, the
-    model's segments and the tool outputs; the system prompt left out), its mask (1: the policy chose the token,
-    0: inserted, or forced by the guide), who wrote each token ("user", "tool", "model", "steered", "forced": drop
-    steered ones too if the policy must have chosen every trained token) and the reward (null: none expected,
-    or the row was cut short or failed)."""
+    """One episode as a trainer reads it (TRL's TextEnvironment shape): the turn's token ids (no system prompt),
+    its mask and provenance (app.episode.Episode), and the reward (null: none expected, cut short or failed)."""
     return {"question": episode.question, "answer": episode.answer, "token_ids": list(episode.token_ids),
             "mask": episode.mask, "provenance": episode.provenance, "reward": episode.reward, "guide": episode.guide}
 

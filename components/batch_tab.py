@@ -86,12 +86,9 @@ class BatchTab:
 
 
 def episodes_download(run: BatchRun) -> gr.DownloadButton:
-    """The Download button holding `run`'s episodes as JSONL, written to a folder of this request's own inside
-    Gradio's cache folder: Gradio serves it from there and, with the page's delete_cache, deletes it once it is an
-    hour old. The folder's name is 128 random bits (secrets), so no other visitor's batch shares it or can guess
-    its address (tempfile's names come from a predictable generator). (Written anywhere else, Gradio copies the
-    file into its cache only after the handler has returned the button: a folder removed by then left a dead
-    link.)"""
+    """The Download button holding `run`'s episodes as JSONL, in a folder of this request's own inside Gradio's
+    cache folder (served from there, deleted with the page's delete_cache), named by 128 random bits (secrets), so
+    no other visitor's batch shares it or can guess its address."""
     folder = Path(get_upload_folder()) / f"textenv-batch-{secrets.token_hex(16)}"
     folder.mkdir(mode=0o700, parents=True)
     return gr.DownloadButton(value=str(write_episodes(run.episodes, folder)), interactive=True)

@@ -95,8 +95,8 @@ def tool_message(segment: Segment) -> dict:
             "title": escape_text(tool_title(segment)),
             "log": ("ok" if segment.ok else "error") + (f" · cut: {segment.stop.label}" if segment.stop else "")
                    + (f" · {segment.tool} passed it to the {segment.ran}" if segment.ran else ""),
-            # (to the microsecond: Gradio shows a whole number as seconds, so a tool that took under 0.5 ms, rounded
-            # to the millisecond, read "0s" beside the others' "1.0ms")
+            # (to the microsecond: rounded to the millisecond, a tool that takes under 0.5 ms would read "0s"
+            # beside the others' "1.0ms")
             "duration": round(segment.ms / 1000, 6),
         },
     }
@@ -137,8 +137,8 @@ def chat_messages(episodes: list[Episode], notes: list[str] = (), partial: str |
 
 
 def ending_note(episode: Episode | None) -> str | None:
-    """Why a turn ended where the model did not end its answer itself (`<submit>` or EOS): a plain "done" stood
-    under a reply that had looped to the repetition stop with no answer (seen in Chromium)."""
+    """Why a turn ended where the model did not end its answer itself (`<submit>` or EOS), so that a reply that
+    looped to the repetition stop with no answer is not shown as plain "done"."""
     if episode is None:
         return None
     if episode.unrun_call:

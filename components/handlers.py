@@ -80,7 +80,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
             return chat, textbox, status, self.token_view(current), self.stats(current)
 
         if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent, and goes
-            # back to the box with any other the same Stop kept from being sent (each used to replace the last)
+            # back to the box with every other message the same Stop kept from being sent
             entry.waiting.pop(sent, None)
             entry.unanswered.discard(sent)
             entry.unsent.append(message)
@@ -129,8 +129,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
         entry = self.store.peek(request.session_hash)
         episodes = entry.session.episodes if entry is not None and entry.session is not None else []
         tokens, ms = prefill_frame(episodes), time_frame(episodes)
-        if not episodes:  # (no `sort`: a change of it redraws the chart from its previous data, so after New
-            # chat it kept the last chat's bars; the data alone clears them)
+        if not episodes:  # (no `sort`: a change of it redraws the chart from its previous data, which would keep
+            # the last chat's bars after New chat; the data alone clears them)
             return gr.BarPlot(value=tokens), gr.BarPlot(value=ms), timing_summary(episodes)
         order = segment_order(tokens)
         return gr.BarPlot(value=tokens, sort=order), gr.BarPlot(value=ms, sort=order), timing_summary(episodes)
@@ -140,7 +140,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
         next is kept, even while this turn waits), shows the message in the chat as waiting, and hands the turn
         its message and Stop ticket. A visitor with MAX_UNANSWERED messages unanswered keeps this one in the box:
         each waiting turn holds one of the model's shared places while it waits for the visitor's running one,
-        so one visitor pressing Send 32 times held them all and every other visitor waited (found in review)."""
+        so one visitor could otherwise hold them all."""
         entry, message = self.store.get(request.session_hash), message or ""
         if message.strip() and len(entry.unanswered) >= MAX_UNANSWERED:
             return message, {"refused": len(entry.unanswered)}, gr.skip()
@@ -176,18 +176,16 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
                 request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
-        """The current question with the cache on and off, side by side, on forks of this visitor's session (the
-        chat is unchanged); with an empty message box, the chat's last turn again, from where it was asked (so
-        the cached run can be checked against the chat's own answer). Yields (result markdown, status)."""
+        """The question with the cache on and off, on forks of the visitor's session (an empty box: the chat's last
+        turn again, from where it was asked). Yields (result markdown, status)."""
         yield from self._compare("cache", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
                                  temperature, tools, prompt, seed, guide)
 
     def compare_guide(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
                       prompt, request: gr.Request, seed=0, guide: bool | None = None,
                       ticket: int | None = None) -> Iterator[tuple]:
-        """The current question with the guide on and off, side by side (what the guide chose, and what the model
-        writes alone), as compare() runs it: on forks of this visitor's session, the cache as set. Yields (result
-        markdown, status). (`guide`, the checkbox, is what both runs vary.)"""
+        """compare() with the guide on and off instead (`guide`, the checkbox, is what the runs vary), the cache as
+        set: what the guide chose, and what the model writes alone."""
         yield from self._compare("guide", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
                                  temperature, tools, prompt, seed, guide)
 
@@ -231,8 +229,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
         self.store.cancel(request.session_hash)
 
     def new_chat(self, request: gr.Request) -> tuple:
-        """An empty chat, but for messages already sent and waiting (they are answered in the new chat: shown
-        there, not hidden until the old turn's last update brought them back); the box keeps what is typed."""
+        """An empty chat, but for messages already sent and waiting (they are answered in the new chat, so they
+        show there at once); the box keeps what is typed."""
         entry = self.store.reset(request.session_hash)
         return (chat_messages([], waiting=list(entry.waiting.values())), gr.skip(), "new chat", [],
                 self.stats(entry.session))

@@ -33,7 +33,7 @@ def launch_kwargs() -> dict:
 
 def build_demo(service: ChatService | None = None) -> gr.Blocks:
     service = service or ChatService()
-    turns = concurrent_turns()  # turns (and Compare, Batch, API calls) that run at once: 1 in process
+    turns = concurrent_turns()  # turns (and Compare, Batch, API calls) that run at once (app.backends.select)
     # (delete_cache: the Batch tab's downloads, in Gradio's cache folder, go after an hour, checked hourly)
     with gr.Blocks(title="TextEnv Chat", delete_cache=(3600, 3600)) as demo:
         gr.Markdown("# TextEnv Chat\nA small model that calls tools (calculator, Jargon File search) "
@@ -50,7 +50,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             send = gr.Button("Send", elem_id="send", variant="primary")
                             stop = gr.Button("Stop", elem_id="stop", variant="stop")
                             new_chat = gr.Button("New chat", elem_id="new-chat")
-                        with gr.Row():  # (five in one row broke "Compare cache" over two lines in Chromium)
+                        with gr.Row():  # (in a row of five, "Compare cache" breaks over two lines)
                             compare = gr.Button("Compare cache", elem_id="compare", size="md")
                             compare_guide = gr.Button("Compare guide", elem_id="compare-guide", size="md")
                         status = gr.Markdown("ready", elem_id="status")
@@ -152,8 +152,8 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                      concurrency_id="new-chat", concurrency_limit=None, show_progress="hidden",
                      api_visibility="private")
         new_chat.click(**fresh, api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
-        # the chat's own trash icon is New chat too: else it empties the view only, and the next answer brought
-        # the "cleared" turns back (the session still held them)
+        # the chat's own trash icon is New chat too: else it would empty the view only, and the next answer would
+        # bring the "cleared" turns back (the session still holds them)
         chat.clear(**fresh, api_name="ui_clear_chat").then(**charts, api_name="ui_charts_clear_chat")
         compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
             run_compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,

@@ -14,10 +14,8 @@ log = logging.getLogger(__name__)
 
 
 def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ended: str | None = None) -> str:
-    """A turn's or a Compare's final status, on the status line they share (`ended`: a turn's ending_note).
-    Regressions: a plain "done" landed after the visitor's next message had been sent (waiting, or already
-    started: the final update can arrive after the next turn's first), and a turn's "done" while a Compare still
-    ran; the page said done while work of theirs still ran."""
+    """A turn's or a Compare's final status on the line they share (`ended`: a turn's ending_note); it names the
+    visitor's work still waiting or running, so a plain "done" never stands while more is to come."""
     parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
     done = "done (stopped by user)" if stopped else "done"
     return " · ".join([done, *[ended] * bool(ended), *parts, *["compare still running"] * bool(comparing)])

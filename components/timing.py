@@ -17,12 +17,12 @@ from components.stats import counted
 PREFILL_COLUMNS = ["segment", "part", "tokens", "ms", "turn", "kind"]
 TIME_COLUMNS = ["segment", "kind", "ms", "turn"]
 # Numbers typed as numbers even in an empty frame: an empty frame's columns are otherwise `object`, which Gradio
-# sends as categories, and the chart, unable to stack categories, kept the last chat's bars after New chat.
+# sends as categories, and the chart, unable to stack categories, would keep the last chat's bars after New chat.
 NUMBERS = {"tokens": "int64", "ms": "float64", "turn": "int64"}
 PARTS = ("new", "reused")
 COLOR_MAP = {"new": "#f97316", "reused": "#22c55e"}
 # The charts show the last whole turns with at most this many segments in all (the last turn whole, however long):
-# each chart is half the page wide, and at 8 turns (24 bars) the slanted labels ran into each other (Chromium).
+# each chart is half the page wide, and with more bars the slanted labels run into each other.
 MAX_SEGMENTS_SHOWN = 12
 
 

@@ -30,11 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Draft tokens one step verifies across its rows: each row drafts at most DRAFTS_PER_STEP // rows. A verified token
-# costs ~0.5 ms of an int8 step whatever the batch, while a step's share per row shrinks as rows join (one row
-# alone: ~9 ms a step; eight rows of one token: ~15 ms, of three: ~24 ms), so a draft pays alone even when rarely
-# accepted and in a full batch only when likely. Measured, 8 chats at once (benchmarks/concurrency_bench.py rounds,
-# four runs of each value, alternated): 8, 12, 16 and 24 within noise (402-421 tokens/s); in another sitting 16 gave
-# 399-419, 32 396-414, 64 370-389.
+# costs about the same in any batch while a row's share of a step shrinks as rows join, so a draft pays alone even
+# when rarely accepted and in a full batch only when likely (the values tried: docs/concurrency.md).
 DRAFTS_PER_STEP = 16
 
 
@@ -237,8 +234,7 @@ class LocalSegment:
     def abandoned(self, error: BaseException) -> None:
         """The request of a closed stream ended with `error` before its next pass (Stop during the scheduler's
         wait for other rows, or a failure): as `failed`, but recorded only, since nobody reads the stream to be
-        told. (Before, the drafts added for that pass stayed in the session's ids as if the model had written
-        them, and the next turn prefilled them.)"""
+        told (so the drafts added for that pass do not stay in the session's ids)."""
         try:
             self.failed(error)
         except Exception:

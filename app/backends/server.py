@@ -1,17 +1,13 @@
 """Model segments on a serving engine: llama.cpp's server (`/completion`) or vLLM (`/v1/completions`).
 
 Each model segment is one streamed completion request whose prompt is the session's token ids (so the server's
-prefix cache reuses the system prompt, earlier turns and segments); the generated token ids come back in the
-stream and are appended to the session's ids, which stay the ground truth. The server applies the stop strings
-(app.protocol.STOP_STRINGS), EOS and `max_tokens`; the stop is recorded from what the server reports (llama.cpp
-`stop_type` / `stopping_word`, vLLM `finish_reason` / `stop_reason`), never guessed from the text. Prefill and
-reuse come from the server (llama.cpp `timings.prompt_n` / `cache_n`, vLLM `usage.prompt_tokens_details`);
-where it reports nothing they stay None, shown as "not reported".
+prefix cache reuses the system prompt, earlier turns and segments); the generated ids are appended to the
+session's ids, which stay the ground truth. The server applies the stop strings, EOS and `max_tokens`, and the stop,
+prefill and reuse are recorded from what it reports, never guessed (None, "not reported", where it says nothing).
 
-With the guide on (app.decoding.guide), the segment's GBNF grammar goes with the request (llama.cpp `grammar`, vLLM
-`structured_outputs: {"grammar": ...}`; never vLLM's old `guided_grammar`, which it now ignores), and the tokens
-that come back are replayed through the same grammar here (app.decoding.guide_matcher.replay): their provenance, and a
-clear error where the server did not keep to it. A server cannot say which tokens its grammar steered.
+With the guide on (app.decoding.guide), the segment's GBNF grammar goes with the request, and the tokens that come
+back are replayed through it here (app.decoding.guide_matcher.replay): their provenance, or a clear error where
+the server did not keep to it. A server cannot say which tokens its grammar steered.
 
 Environment: MODEL_SERVER_URL (base URL), MODEL_SERVER_KIND (`llama.cpp` or `vllm`; detected when unset),
 MODEL_SERVER_MODEL (vLLM's served model name; default its first), MODEL_SERVER_API_KEY (sent as a bearer token),
@@ -155,7 +151,7 @@ class Vllm:
                 "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
         if not settings.use_cache:
             body["cache_salt"] = uuid.uuid4().hex  # no earlier request shares it: nothing is reused
-        if grammar is not None:  # (v0.12 removed `guided_grammar`: sent now, it would be ignored without a word)
+        if grammar is not None:  # (vLLM ignores the older `guided_grammar` without a word)
             body["structured_outputs"] = {"grammar": grammar}
         return body
 

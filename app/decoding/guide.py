@@ -89,9 +89,8 @@ def claimed_guide(call: str) -> Guide:
 
 
 def owed_text(output: str, ok: bool, answer) -> str | None:
-    """What the answer line begins with after a tool's (neutralized) `output`: for a result, the tool's
-    `answer` of it (the line the prompt's examples copy: a number, a look-up's first entry); for an error, its
-    first line; None where there is nothing to copy."""
+    """What the answer line begins with after a tool's `output`: the tool's `answer` of a result, an error's first
+    line; None where there is nothing to copy."""
     line = (answer(output) if ok else output).split("\n", 1)[0].strip()
     return line or None
 

@@ -1,8 +1,8 @@
 """A segment's guide (app.decoding.guide) applied to one tokenizer's tokens, by llguidance: the tokens the grammar allows
 next, the tokens it forces (the next text is fixed), and who chose each token.
 
-The mask is a bitmask llguidance fills (~10 us for a 49,152-token vocabulary); it is applied as a boolean index
-(llguidance's own torch helper is `torch.compile`d).
+The mask is a bitmask llguidance fills, applied as a boolean index (llguidance's own torch helper is
+`torch.compile`d); its cost: docs/guided-answers.md.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ class GuideError(ValueError):
 
 
 class GuideVocab:
-    """llguidance's view of one tokenizer, built once per model (~0.7 s), and the grammars compiled for it: a
-    compile takes 1.5-4 ms, a copy of a compiled one ~1 us (a question's grammar is the same for every visitor
-    with the same tools)."""
+    """llguidance's view of one tokenizer, built once per model, and the grammars compiled for it: a copy of a
+    compiled grammar costs far less than a compile, and a question's grammar is the same for every visitor with
+    the same tools."""
 
     COMPILED = 64  # grammars kept (each tool output makes one)
 

@@ -25,10 +25,8 @@ class PromptLookup:
         self.sync()
 
     def sync(self) -> None:
-        """Index every position whose continuation is known (all but the last token): for each size, the n-grams
-        ending before positions lo..end-1 in order, so each keeps its latest. In C loops (zip, dict.update): a
-        segment indexes its session's whole prompt first, ~1 ms a segment one tuple at a time, which 8 turns
-        starting together paid one after another before their first pass."""
+        """Index every position whose continuation is known (all but the last token), each n-gram keeping its
+        latest. In C loops (zip, dict.update), since a segment first indexes its session's whole prompt."""
         ids, end = self._ids, len(self._ids)
         for n in self._sizes:
             lo = max(self._indexed, n)
@@ -47,9 +45,7 @@ class PromptLookup:
 
 
 def greedy(logits: torch.Tensor) -> int:
-    """The index of the largest of one position's logits (the first, on a tie), by NumPy's argmax: the same choice
-    as torch.argmax, ~3 us for the vocabulary against torch's 73 us (a scalar loop). Each row picks 1-9 tokens a
-    step, each in its own thread, so this was ~2 ms of Python between two 8-row steps."""
+    """The largest logit's index (the first on a tie), as torch.argmax, by NumPy's faster argmax."""
     return int(logits.detach().float().numpy().argmax())  # (float(): a bfloat16 model's logits too)
 
 

@@ -12,11 +12,10 @@ is filled in with what the tool really returns and an answer copied from it:
 
 so the examples teach the model to answer from the tool's output, and stay true when a tool changes. An
 example whose tool is not in the session's tool set is left out, so the model is never shown a tool it
-cannot call. `{tools}` becomes one line per tool. A greeting names the session's tools through `{abilities}`
-("a calculator and the Jargon File") and `{actions}` ("calculate or look up"): written out, a
-session with the Calculator alone answered "Ask me to ... look up a word of hacker slang". With no tools they say
-"no tools" and "help with" (left out, the greetings' examples went and the model answered "Hello" with "You're
-welcome!"). Custom prompts follow the same rules.
+cannot call. `{tools}` becomes one line per tool. A greeting names only the session's tools through `{abilities}`
+("a calculator and the Jargon File") and `{actions}` ("calculate or look up"), "no tools" and "help with" where
+there are none, so the greetings' examples stay (docs/answer-quality-history.md). Custom prompts follow the
+same rules.
 """
 
 from __future__ import annotations

@@ -85,9 +85,8 @@ class Engine:
 
     def release_prompts(self, read: set[int]) -> None:
         """Let go of the prefilled prompts other than the engine's own that no cache in `read` (ids of the
-        prefixes sessions read) is: they are a cache, prefilled again when a session needs one. Held, a few
-        visitors' prompts per tool set kept the shared KV over KV_BUDGET_MB for good (4 tool sets x 4 prompts of
-        up to ~80 MB): every job then ran alone, and every idle chat lost its cache after each turn."""
+        prefixes sessions read) is: they are a cache, prefilled again when needed, and held they would keep the
+        shared KV over KV_BUDGET_MB for good (docs/architecture.md)."""
         with self._prompt_lock:
             for prompt, base in list(self._prompt_caches.items()):
                 if prompt != self.prompt and base.own_kv is not None and id(base.own_kv) not in read:
@@ -305,8 +304,7 @@ class Engine:
         events: queue.SimpleQueue = queue.SimpleQueue()
         workers = max(1, min(len(questions), self.backend.parallel))
         # The first rows' turn scopes open before any row starts, so the backend waits for all of their questions
-        # and prefills them in one step: opened by each row's thread, the first row's question went through a
-        # step alone (~150 ms), the others arriving a few ms later.
+        # and prefills them in one step (opened by each row's thread, the first question would take a step alone).
         scopes = [ExitStack() for _ in range(workers)]  # (`with` one is a no-op on entry and leaves the scope on exit)
         for scope in scopes:
             scope.enter_context(self.backend.turn_scope())

@@ -1,16 +1,13 @@
 """The attention of every row with up to 64 new tokens in one C call a layer (app/kernels/attend_rows.c): decoding rows,
 their drafts, questions and tool results, whatever the length of their past or of their shared prefix.
 
-Why: per row and layer the ragged pass made a PyTorch flash call for the shared prefix's part (grouped for the
-rows that read it), a cache write, a call for the row's own part and a merge of the two by log-sum-exp: ~20 us of
-dispatch each, most of an 8-row step's attention (8 rows over the 800-token prompt: ~19 of ~47 ms a step), and
-PyTorch's flash kernel costs ~37 us a call whatever the work. Here one call a layer writes every such row's new
-keys/values into its cache's room (kvcache.GrowingLayer.reserve) and computes each new query over the prefix's
-keys and its own: every row's queries over a prefix they share 16 at a time (one vector lane each, so a key is
-read once for all of them), then each row's over its own keys, the two parts merged as flash attention merges
-blocks. Each query is computed in its own lane in a fixed order (the same whatever the row's token count, task or
-lane), so a row's bits never depend on the rows beside it; longer rows (prefill chunks) stay with the flash
-kernel's blocked matmuls."""
+Why: otherwise each row and layer takes a PyTorch flash call for the shared prefix's part, a cache write, a call
+for the row's own part and a merge of the two, each mostly fixed dispatch cost (docs/model-and-kernels.md). Here
+one call a layer writes every such row's new keys/values into its cache's room (kvcache.GrowingLayer.reserve) and
+computes each new query over the prefix's keys and its own: every row's queries over a prefix they share 16 at a
+time (one vector lane each, so a key is read once for all of them), then each row's over its own keys, the two
+parts merged as flash attention merges blocks. Each query is computed in its own lane in a fixed order, so a
+row's bits never depend on the rows beside it; longer rows (prefill chunks) stay with the flash kernel."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ import torch
 from app.kernels.native import library
 
 # rows of up to this many new tokens attend here (decoding, drafts, tool results, questions); longer ones (prefill
-# chunks) in PyTorch's flash kernel. A tool result of 20-40 tokens beside decoding rows: 1 x 27 tokens over the
-# prompt 44.5 -> 40.3 ms a step, 4 x 30 146.5 -> 131.2 (a limit of 16 before)
+# chunks) in PyTorch's flash kernel, whose blocked matmuls pay off there
 BATCH_TOKENS = 64
 
 
@@ -50,7 +46,7 @@ def available(config) -> bool:
 def batched(tokens: int, kv, prefix, readable: dict[int, bool] | None = None) -> bool:
     """Whether a row of this many new tokens, its cache (app.model.kvcache.new_kv's) and its shared prefix (or None)
     attend here: decided by the row alone, so its path never depends on the rows beside it. `readable`: a pass's
-    memo of its prefixes' check (a prefix is read-only: checked once a pass, not once a row: ~35 us a row)."""
+    memo of its prefixes' check (a prefix is read-only: checked once a pass, not once a row)."""
     if library() is None or tokens > BATCH_TOKENS or not all(hasattr(layer, "reserve") for layer in kv.layers):
         return False
     if prefix is None:
@@ -80,9 +76,8 @@ def _prefix_fields(layer) -> tuple[int, int, int, int]:
 
 class Batch:
     """A pass's rows that attend here, set up once a pass: each row's room for its new tokens in every layer of
-    its cache (kvcache.GrowingLayer.reserve) and every layer's RowKV table, so a layer's call passes one pointer.
-    Done layer by layer, this was the scheduler thread's busiest Python (py-spy, GIL held, 8 chats at once): ~30
-    reserve calls, table entries and prefix lookups per row a step, in the critical path between C calls."""
+    its cache (kvcache.GrowingLayer.reserve) and every layer's RowKV table, so a layer's call passes one pointer
+    and the scheduler thread's Python between C calls stays short (docs/concurrency.md)."""
 
     def __init__(self, rows: list, spans: list[tuple[int, int]], like: torch.Tensor):
         """`rows` (app.model.ragged.Row) own tokens spans[i] of the pass; `like`: the pass's keys [1, groups, tokens,

@@ -1,14 +1,12 @@
 """An int8 decoder layer with its work between the matmuls in a few C calls (app/kernels/int8_layer.c), for app.model.ragged.
 
 Why: at decode a layer's four matmuls are most of its arithmetic, but around them transformers' modules and
-app.model.int8's split and scaling are ~60 torch calls on a few hundred floats each, and on two cores their dispatch
-cost more than the matmuls (a py-spy profile of a one-row int8 step: the weights' kernel ~41 % of the step,
-norms, rotary, the split and scaling, the residual adds and the Python between them most of the rest). Here a
-layer is: norm + split (one call), q/k/v matmul, scaling + rotary (two), attention as before, split, output
-matmul, scaling + residual add + norm + split (one), gate/up matmul, scaling + SiLU·up + split (one), down
-matmul, scaling + residual add (one). Where every row of a pass attends in app/kernels/attend_rows.c (decoding rows,
-drafts, questions, tool results), one C call runs all the layers (forward_layers): the Python between a layer's
-calls was ~4 ms of a 13.7 ms one-token step, with the GIL held.
+app.model.int8's split and scaling are dozens of torch calls on a few hundred floats each, whose dispatch costs
+more than the matmuls on few cores (docs/model-and-kernels.md). Here a layer is: norm + split (one call), q/k/v
+matmul, scaling + rotary (two), attention, split, output matmul, scaling + residual add + norm + split (one),
+gate/up matmul, scaling + SiLU·up + split (one), down matmul, scaling + residual add (one). Where every row of a
+pass attends in app/kernels/attend_rows.c (decoding rows, drafts, questions, tool results), one C call runs all
+the layers (forward_layers), with no Python (and no GIL held) between a layer's calls.
 
 Every token is computed alone in a fixed order, so a token's bits do not depend on the rows beside it (tested
 bitwise, as for the torch path). The norms and SiLU round differently from transformers' torch kernels (a
@@ -114,12 +112,8 @@ class FusedInt8Layers:
     def whole_pass(self, model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> bool:
         """Every layer in one C call (forward_layers: per layer the calls above, attention in attend_rows), where
         every row of the pass attends there (`batch`, its app.kernels.attend_rows.Batch) and every layer has the packed
-        kernel. False, with nothing done, otherwise. hidden is updated in place.
-
-        The packed kernel takes any number of tokens here, also where calls from Python send more than a few
-        to `_int_mm` (VNNI without AMX: its products ~13 % faster for a 512-token prefill chunk, 839 against
-        983 ms): in one C call the layers' Python and their int32 sums in memory are gone, which costs more (on
-        a Zen 4 EPYC, 8 chats at once: a step of 8 rows and 120 tokens 137 against 168 ms, a round ~20 % faster)."""
+        kernel (for any number of tokens: without the layers' Python and int32 sums it beats `_int_mm`,
+        docs/concurrency.md). False, with nothing done, otherwise. hidden is updated in place."""
         layers, config, x = model.model.layers, model.config, hidden[0]
         n = len(x)
         if not all(linear.packed for linear in _linears(model)):
@@ -159,8 +153,8 @@ class LayerC(ctypes.Structure):
 
 
 def _linears(model) -> list:
-    """Every decoder layer's q/k/v, output, gate/up and down Int8Linear, listed once per model (the modules'
-    attribute lookups, 4 a layer, cost ~0.2 ms a pass)."""
+    """Every decoder layer's q/k/v, output, gate/up and down Int8Linear, listed once per model, not looked up
+    through the modules every pass."""
     made = model.__dict__.get("_c_linears")
     if made is None:
         made = [linear for layer in model.model.layers for linear in

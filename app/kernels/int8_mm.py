@@ -1,13 +1,12 @@
 """The int8 matmul of few tokens in C with AVX-512 VNNI (app/kernels/int8_mm.c), where the CPU has it; of any number of
 tokens where it also has AMX.
 
-Why: at decode each of a step's 121 matmuls has a few rows, and torch's kernels pay a fixed cost per call that
-is most of such a call: fbgemm's ~20 us (a 576 x 576 layer, two activation rows: 23 us against 5 us here), and
-`_int_mm` lays its weight out again at every call. Here the weight is packed once, at load, for the CPU's
-`vpdpbusd`, and the call is a loop over it split between the model's threads. With AMX the same packed weights
-are the tile unit's operands for inputs of 3 tokens or more: a prefill of 8 questions (104 tokens) no longer pays
-`_int_mm`'s relayout, and batched steps of 12-48 tokens run at 2-3x the VNNI loop's rate. The sums are integers,
-so they are torch._int_mm's bit for bit (tests/test_int8_mm.py), whatever the kernel, threads or rows.
+Why: at decode each matmul has a few rows, and torch's kernels pay a fixed cost per call that is most of such a
+call (fbgemm's overhead; `_int_mm` lays its weight out again at every call). Here the weight is packed once, at
+load, for the CPU's `vpdpbusd`, and the call is a loop over it split between the model's threads. With AMX the
+same packed weights are the tile unit's operands for inputs of 3 tokens or more, so prefills and batched steps
+skip `_int_mm`'s relayout too (figures: docs/model-and-kernels.md). The sums are integers, so they are
+torch._int_mm's bit for bit (tests/test_int8_mm.py), whatever the kernel, threads or rows.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 scale, and scaling the matmul's integer sums back. In C where a compiler is at hand (app.kernels.native), else in torch;
 the same bits (tests/test_int8.py compares the two bitwise).
 
-Why C: at decode these are ~20 torch calls on a few hundred values around each of a step's 121 matmuls, each
-call a few microseconds of dispatch for almost no arithmetic (one layer's: ~80 us around its ~30 us of
-multiplying, on a Xeon with VNNI). One C call (`app/kernels/int8_rows.c`) does the same float32 operations, in the same
-order, in ~4 us.
+Why C: at decode these are many small torch calls around each matmul, each mostly dispatch for almost no
+arithmetic; one C call (`app/kernels/int8_rows.c`) does the same float32 operations in the same order
+(docs/model-and-kernels.md).
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ ROUNDER = 1.5 * 2**23  # a float32 of magnitude below 2**22 plus this lies where
 
 
 def _row_scale(x: torch.Tensor, qmax: int) -> torch.Tensor:
-    """One float32 scale per row: its largest magnitude over qmax (a zero row gets a tiny one, not a division
-    by zero)."""
-    # (abs().amax(): the same values as an inf-norm, ~5x faster on a [80, 576] step input: 14 vs 79 us)
+    """One float32 scale per row: its largest magnitude over qmax (a zero row gets a tiny one, not a division by 0)."""
+    # (abs().amax(): the same values as an inf-norm, and faster)
     return x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(qmax)
 
 
@@ -35,13 +33,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x as two 7-bit parts: x ≈ (high + low / FINE) * scale, returned as ([high; low], scale).
-
-    One 8-bit part per token kept about 8 bits of each activation, and that rounding was most of int8's error
-    (measured on the system prompt and questions: 92.9 % of next tokens agreed with float32, 97.9 % with only
-    the weights in int8). The second part holds the first one's rounding error (at most half a step, so FINE
-    steps per step fit the part): ~13 bits in all. Both parts go through one matmul, and at decode a step is
-    bound by reading the weights, which serve the second part at no extra cost."""
+    """Each row of x as ([high; low], scale), x ≈ (high + low / FINE) * scale: two 7-bit parts, ~13 bits in all."""
     return _split(x, torch.int8)
 
 
@@ -90,8 +82,7 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 
 def _fits(x: torch.Tensor) -> bool:
-    """Whether C can read x as it is: contiguous float32 or int32 in CPU memory. (The scales and biases it reads
-    beside x are app.model.int8's own: contiguous float32.)"""
+    """Whether C can read x as it is: contiguous float32 or int32 in CPU memory (the scales and biases are)."""
     return x.dtype in _C_TYPES and x.is_cpu and x.is_contiguous()
 
 
@@ -117,8 +108,5 @@ def combine_rows_torch(sums: torch.Tensor, scale: torch.Tensor, weight_scale: to
 
 
 def _round_(x: torch.Tensor) -> torch.Tensor:
-    """torch.round's values for |x| < 2**22 (to the nearest integer, ties to even: the float adder's own rounding),
-    in place. Why not torch.round: PyTorch runs it in parallel from 2,048 values on, and waking the second core
-    for each of the ~240 roundings of an 8-row step cost more than the rounding (measured 140-180 us a call in a
-    step against 5 us alone); an add is parallel only from 32,768."""
+    """torch.round's values for |x| < 2**22, in place, by an add, which stays on one core (docs/concurrency.md)."""
     return x.add_(ROUNDER).sub_(ROUNDER)

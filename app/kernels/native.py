@@ -3,8 +3,8 @@
 Why C: at decode a step is hundreds of tiny operations (a token's activations are a few hundred floats), and
 each torch call costs microseconds of dispatch for almost no arithmetic; one C call does such a piece whole.
 Each caller keeps a torch version of what it calls (tests compare the two), so a machine without a compiler, or
-whose build fails (logged as an error, with the compiler's message), runs the same model in torch. ctypes releases the GIL during a call, like torch's kernels.
-TEXTENV_NATIVE=0 turns C off.
+whose build fails (logged as an error, with the compiler's message), runs the same model in torch. ctypes
+releases the GIL during a call, like torch's kernels. TEXTENV_NATIVE=0 turns C off.
 """
 
 from __future__ import annotations

@@ -1,26 +1,25 @@
 """Int8 weights times int8 activations: the model's matmuls in exact integer arithmetic, per token.
 
-Why: a float32 decode step of the bundled model reads 540 MB of weights, and on this CPU the matmuls are most
-of the step. Int8 weights are a quarter of the bytes, and `torch._int_mm` multiplies int8 by int8 into int32
-with the CPU's VNNI instructions (measured: the LM head 1.6 ms against 11.5 ms in float32). Without VNNI it is
-a scalar loop, far slower than float32 (a timing at load tells, `int8_matmul_is_fast`); there the same integer
-products run exactly on fbgemm's int8 kernel (`ExactWeight`), else on float hardware.
+Why: a float32 decode step of the bundled model reads 540 MB of weights, and the matmuls are most of the step.
+Int8 weights are a quarter of the bytes, and `torch._int_mm` multiplies int8 by int8 into int32 with the CPU's
+VNNI instructions. Without VNNI it is a scalar loop, far slower than float32 (a timing at load tells,
+`int8_matmul_is_fast`); there the same integer products run exactly on fbgemm's int8 kernel (`ExactWeight`),
+else on float hardware.
 
-Where `_int_mm` is fast, few tokens (`FEW_TOKENS`) still go to a kernel that reads a weight laid out once:
-`_int_mm` re-lays its weight out at every call, a cost that does not shrink with the tokens (a one-row decode
-step on a Xeon with VNNI: 13.3 of its 28 ms in `_int_mm`; docs/model-and-kernels.md). That kernel is app.kernels.int8_mm's where
-the C library has VNNI (no fixed cost per call), else fbgemm's (~20 us a call).
+Where `_int_mm` is fast, few tokens (`FEW_TOKENS`) still go to a kernel that reads a weight laid out once, since
+`_int_mm` lays its weight out again at every call, a cost that does not shrink with the tokens: app.kernels.int8_mm's
+where the C library has VNNI (no fixed cost per call), else fbgemm's. Figures: docs/model-and-kernels.md.
 
 Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
 result depends on that token alone: not on the rows batched beside it in a step, nor on how a prefill was
 chunked (tested bitwise). Library routes quantize a whole input tensor with one scale (`torch.ao` dynamic
 int8), which would make a session's answer depend on who else was in the step.
 
-Why two parts per activation (`split_rows`): with one, int8's rounding of activations cost more accuracy than
-the int8 weights did. Each part is 7-bit (|value| <= ACT_MAX): a CPU without VNNI multiplies unsigned by signed
-bytes and adds pairs of products in 16 bits, which is exact only with 7-bit activations (fbgemm's `reduce_range`).
-Weights get one scale per output channel (8-bit). Embeddings, norms and attention stay float32,
-and so does the embedding table, which the LM head no longer shares once converted.
+Why two parts per activation (`split_rows`): with one, rounding the activations costs more accuracy than the int8
+weights do. Each part is 7-bit (|value| <= ACT_MAX): a CPU without VNNI multiplies unsigned by signed bytes and
+adds pairs of products in 16 bits, which is exact only with 7-bit activations (fbgemm's `reduce_range`). Weights
+get one scale per output channel (8-bit). Embeddings, norms and attention stay float32, and so does the embedding
+table, which the converted LM head does not share.
 
 The splitting and the scaling back live in app.kernels.int8_rows (in C where a compiler is at hand: the same bits); in
 the ragged pass app.kernels.int8_layer does them together with a layer's norms, rotary, SiLU and residual adds.
@@ -44,7 +43,7 @@ from app.model.ragged import supports
 
 log = logging.getLogger(__name__)
 
-SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ (measured faster for 2-48)
+SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ (faster for few rows)
 EXACT_SPAN = 2048  # float32 holds every integer below 2**24, and 2048 products stay below it (63 * 127 * 2048)
 
 
@@ -59,17 +58,13 @@ def fbgemm_int8() -> bool:
 
 class ExactWeight:
     """An int8 weight held for another kernel, multiplied with the bits of `torch._int_mm(parts, weight.T)`, for a
-    CPU whose `_int_mm` is slow (no VNNI: a scalar loop there, ~30x slower than float32), and for inputs of few
-    tokens where it is fast (FEW_TOKENS; fbgemm only).
+    CPU whose `_int_mm` is slow (no VNNI: a scalar loop there), and for inputs of few tokens where it is fast
+    (FEW_TOKENS; fbgemm only).
 
     fbgemm's int8 kernel, where torch has it: it multiplies unsigned by signed bytes, exactly for 7-bit
     activations, and sums in int32. It is called with the activations' quantization given (scale 1, zero point
     64: every part's integer value passes unchanged, whoever shares the call) and the weight's scale 1, so the
-    result is the int32 sum as a float. Against the fp16-held weights it replaced, on an AVX2 EPYC: half the
-    bytes, a 1,000-token prefill 3.03 against 4.27 s, decode within noise (benchmarks/decode_bench.py, docs/performance.md).
-    (`linear_dynamic`, which it replaced, picked a scale per call from its input's ends, so every call carried a
-    calibration row and a scan of its input: at decode 1.2-2.4x the time of this call, e.g. gate/up 202 vs
-    150 us, q/k/v 117 vs 49 us, the LM head 1.58 vs 1.21 ms, on two cores.)
+    result is the int32 sum as a float (its costs: docs/model-and-kernels.md).
 
     Else float32 (W·xᵀ, `_float_mm`): every product is an integer of magnitude below 63 * 127, and every partial
     sum of at most EXACT_SPAN of them stays below 2**24, where float32 adds integers exactly in any order, so no
@@ -83,7 +78,7 @@ class ExactWeight:
         self._held = None  # held on first use, or by prepare()
 
     def prepare(self) -> ExactWeight:
-        """Hold the weight for the kernel now (packing ~100M values a second) rather than on first use."""
+        """Hold the weight for the kernel now rather than on first use."""
         if self._held is None:
             if self.fbgemm:
                 with warnings.catch_warnings():  # (quantized tensors are deprecated; fbgemm's kernel is not gone yet)
@@ -103,17 +98,15 @@ class ExactWeight:
 
 
 def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """parts @ weight.T, as W·partsᵀ for a few rows: with torch's MKL on an AVX2 EPYC, x·Wᵀ of 2-48 rows cost
-    up to 2.4x one row's (the LM head at 2 rows: 24 vs 7.4 ms), W·xᵀ did not. Exact sums make the two forms give
-    the same bits, so the faster one is free to choose."""
+    """parts @ weight.T, as W·partsᵀ for a few rows, where MKL is faster (docs/model-and-kernels.md); exact sums
+    give both forms the same bits."""
     if len(parts) <= SKINNY_ROWS:
         return (weight @ parts.t()).t().contiguous()
     return parts @ weight.t()
 
 
 FEW_TOKENS = 8  # where _int_mm is fast, inputs of up to this many tokens take fbgemm's kernel (_kernels)
-# ... or up to this many app.kernels.int8_mm's, which has no fixed cost per call (one row with 8 drafts, 9 tokens, over the
-# shared prompt: 33.4-33.7 -> 25.8-27.0 ms a step against a limit of 8; 8 rows x 2 tokens 49.1-49.8 -> 45.6-45.8)
+# ... or up to this many app.kernels.int8_mm's, which has no fixed cost per call (docs/model-and-kernels.md)
 PACKED_FEW_TOKENS = 16
 
 
@@ -174,8 +167,7 @@ class Int8Linear(nn.Module):
 
     def scaled(self, parts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The layer's output from split rows: their sums scaled back (combine_rows), in one call on the tile unit
-        where the packed kernel takes them (the int32 sums never in memory: the LM head's were 9.4 MB for 24
-        tokens), the same bits either way."""
+        where the packed kernel takes them (the int32 sums never in memory), the same bits either way."""
         if parts.dtype == torch.int8 and self.packed_for(len(parts) // 2):
             out = self.prepare()._packed.combined(parts, scale, self.scale, self.bias, FINE)
             if out is not None:
@@ -187,8 +179,7 @@ class Int8Linear(nn.Module):
         return (split_rows_float if self.parts_dtype(len(flat)) == torch.float32 else split_rows)(flat)
 
     def parts_dtype(self, tokens: int) -> torch.dtype:
-        """float32 where an input of this many tokens goes to the exact kernel, int8 where to `_int_mm` or the
-        packed one."""
+        """float32 where an input of this many tokens goes to the exact kernel, else int8."""
         return torch.float32 if self.exact is not None and self._few(tokens) else torch.int8
 
     def _few(self, tokens: int) -> bool:
@@ -238,14 +229,10 @@ def _fuse_attention(attn: nn.Module, qkv: Int8Linear, o_proj: Int8Linear) -> Non
 
 @functools.cache
 def int8_matmul_is_fast() -> bool:
-    """Whether `torch._int_mm` beats a float32 matmul on this CPU, timed once per process (~0.1 s at worst).
-
-    Where the CPU has VNNI, int8 products run ~4-7x faster than float32 (the LM head 1.6 vs 11.5 ms); without it
-    torch falls back to a scalar loop (an AVX2-only AMD EPYC: 46 ms against float32's 1.4 ms for an MLP-sized
-    matmul of 16 rows, ~30x slower, and a 10-token greeting took minutes; this probe's own matmul there: 4.4-5.4
-    against 1.4-1.7 ms). A timing decides, not a CPU flag, because which instructions torch's int8 kernel uses
-    is its own business; the two machine kinds are a factor of ~25 apart, far beyond a shared machine's noise.
-    (Not against the exact kernel: that was timed on the AVX2 machine only.)"""
+    """Whether `torch._int_mm` beats a float32 matmul on this CPU, timed once per process: with VNNI it is several
+    times faster, without it a scalar loop many times slower (docs/model-and-kernels.md). A timing decides, not a
+    CPU flag, because which instructions torch's int8 kernel uses is its own business, and the two cases lie far
+    apart, beyond a shared machine's noise."""
     # one decode token (two int8 parts against one float32 row) through an LM-head-like 8,192 x 576 matrix:
     # 19 MB in float32, more than a core's caches hold, so the timing includes reading the weights, as in a step
     rows, inner, out = 1, 576, 8192
@@ -294,7 +281,7 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
                             int8(f"{at}.mlp.down_proj", mlp.down_proj), mlp.act_fn)
     model.lm_head = int8("lm_head", model.lm_head)
     model.config.tie_word_embeddings = False  # the embedding table stays float32 on its own
-    int8_mm.available()  # the C functions, built now (once per CPU kind, ~1 s) rather than by the first question
+    int8_mm.available()  # the C functions, built now (once per CPU kind) rather than by the first question
     if exact or packed:
         _prepare(model)
 
@@ -305,8 +292,7 @@ def _kernels(config) -> tuple[bool, int | None, bool]:
     cost per call for few tokens (decode: the same bits, without _int_mm's per-call relayout of the weight) and
     `_int_mm` for more: app.kernels.int8_mm's where the library has VNNI, else fbgemm's; where it also has AMX (and the
     model's inner sizes suit its tiles), app.kernels.int8_mm's for every input. A library built with VNNI means the CPU
-    has it, and so does torch's `_int_mm` there: no timing needed (on a Xeon with a large cache the probe's margin
-    was ~1.4x, and a busy moment could tip it to the exact kernel for every input)."""
+    has it, and so does torch's `_int_mm` there: no timing, whose margin can be thin (docs/model-and-kernels.md)."""
     packed = int8_mm.available()
     if packed and int8_mm.any_tokens(config):
         return False, None, True
@@ -337,9 +323,8 @@ def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _prepare(model: nn.Module) -> None:
-    """Lay out every weight the ragged pass reads for its few-token kernel now, two at a time (fbgemm's
-    packing: ~1 s for the bundled model on two cores), so that the first question does not pay for it. The
-    q/k/v views (transformers' own forward only) are laid out on first use."""
+    """Lay out every weight the ragged pass reads for its few-token kernel now, two at a time, so that the first
+    question does not pay for it. The q/k/v views (transformers' own forward only) are laid out on first use."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2, thread_name_prefix="int8-prepare") as pool:

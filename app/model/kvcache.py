@@ -8,7 +8,7 @@ A session may hold the system prompt's keys/values by reference instead of by co
 engine's prefilled prompt cache is its read-only *prefix*, and the session's own cache covers only the positions
 after it. Where the model runs through app.model.ragged, attention reads both parts (cascade attention); every other
 path gets one ordinary cache (`forward` joins the two first). So twenty chats hold one copy of the prompt's
-~34 MB, not twenty, and KV_BUDGET_MB counts what each session really adds.
+keys/values, not twenty, and KV_BUDGET_MB counts what each session really adds.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 # A layer's storage grows by this much room at a time. It is also the KV budget's grain: every session holds up
-# to this much spare room, and a job reserves room in these steps (app.serving.sessions.kv_reserve). At 128, 20 chats
-# at once held 281 MB where 186 do at 32, and under `KV_BUDGET_MB=64` (the shared prompt's 36 MB leave ~600
-# tokens for the sessions) a turn reserved 256 tokens: two ran at once (load test, 20 sessions x 3 turns, one
-# run each: p95 first text 6.94 -> 5.44 s, turns/s 0.80 -> 0.98x solo, with kv_reserve's TURN_TOKENS). Growing
-# more often costs nothing measurable: 8 chats at once, 6 rounds each, median round 1902 ms at 128, 1865 at 32.
+# to this much spare room, and a job reserves room in these steps (app.serving.sessions.kv_reserve), so a small
+# step lets more sessions fit a budget, and growing more often costs nothing measurable (docs/architecture.md).
 GROW_TOKENS = 32
 
 
@@ -36,13 +33,12 @@ def room_for(tokens: int) -> int:
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in storage with room to spare, written in place.
 
-    transformers' DynamicLayer concatenates at every pass, copying the whole layer each decode step (~46 MB at
-    1,000 tokens for the bundled model, per session in the batch); here a step writes only its new positions and
-    the storage is copied only when it grows (every GROW_TOKENS tokens). The positions held are a count, and
-    `keys`/`values` views of the storage made when read: a pass grows every layer of every row (30 a row), and
-    making two views at each (~3 us) was the scheduler thread's busiest Python in an 8-row step (py-spy, GIL
-    held), while the C attention reads the storage itself. An assignment of anything but such a view (transformers'
-    reorder, batch and device moves) turns the layer back into a plain DynamicLayer until it next grows."""
+    transformers' DynamicLayer concatenates at every pass, copying the whole layer each decode step; here a step
+    writes only its new positions and the storage is copied only when it grows (every GROW_TOKENS tokens). The
+    positions held are a count, and `keys`/`values` views of the storage are made only when read, since a pass
+    grows every layer of every row in the scheduler thread while the C attention reads the storage itself. An
+    assignment of anything but such a view (transformers' reorder, batch and device moves) turns the layer back
+    into a plain DynamicLayer until it next grows."""
 
     _storage: tuple[torch.Tensor, torch.Tensor] | None = None
     _length = 0  # positions held, while the layer lives in _storage

@@ -1,7 +1,7 @@
 """Load the language model and tokenizer: the bundled GGUF by default, any hub id or local folder otherwise.
 
-Dequantizing the GGUF takes 15-25 s, so the first start saves the float32 weights and the tokenizer into a
-local cache folder; later starts load that folder in about a second.
+Dequantizing the GGUF is slow, so the first start saves the float32 weights and the tokenizer into a local
+cache folder, which later starts load quickly (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -147,10 +147,8 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
 
 
 def weight_format() -> str:
-    """WEIGHTS: "int8" (the default: integer matmuls, app.model.int8) or "float32" (for exact comparisons). int8's decode
-    step measured 0.45-0.65x float32's where the CPU has VNNI (0.71-0.81x on an AVX-512 Xeon, whose float32 is
-    twice as fast), with the same answer quality or better (docs/answer-quality-history.md); without VNNI it runs
-    on fbgemm's int8 kernel (the same bits, app.model.int8.ExactWeight; docs/model-and-kernels.md for its speed)."""
+    """WEIGHTS: "int8" (the default: faster integer matmuls, app.model.int8, with the same answer quality or better)
+    or "float32" (for exact comparisons); why int8 is the default: docs/model-and-kernels.md."""
     value = os.environ.get("WEIGHTS", "").strip().lower() or WEIGHT_FORMATS[0]
     if value not in WEIGHT_FORMATS:
         raise ValueError(f"WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
@@ -170,8 +168,8 @@ def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | N
 
 
 def _int8(model, folder: Path | None) -> None:
-    """Convert to int8, reading the int8 weights from `folder` where an earlier start saved them, else quantizing
-    them (the bundled model loaded in 2.7-2.9 s, 1.3-1.4 s from the file) and saving them for the next start."""
+    """Convert to int8, reading the int8 weights from `folder` where an earlier start saved them (faster than
+    quantizing again), else quantizing them and saving them for the next start."""
     from safetensors import SafetensorError
     from safetensors.torch import load, save_file
 
@@ -199,7 +197,7 @@ def _int8(model, folder: Path | None) -> None:
 
 def load_tokenizer():
     """Only the configured model's tokenizer (a model server runs the weights): from the converted cache folder
-    when the GGUF was converted before, else read from the GGUF (~10 s) and saved there for next time."""
+    when the GGUF was converted before, else read from the (slow) GGUF and saved there for next time."""
     from transformers import AutoTokenizer
 
     model_id, gguf_file = model_source()

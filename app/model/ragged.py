@@ -11,7 +11,7 @@ A row may read a shared prefix (the system prompt's keys/values, held once for e
 queries attend to the prefix and to its own keys in two parts, merged by their log-sum-exp (cascade attention,
 as in FlashInfer), so the prefix is never copied. Every row reading one prefix reads it in the same kernel call,
 as FlashInfer's shared-prefix batch decode does: its keys/values are read once a step instead of once a row
-(8 decoding rows over the 900-token default prompt: 41 MB a step instead of 330). Rows with up to 64 new tokens
+(docs/architecture.md). Rows with up to 64 new tokens
 (decoding, drafts, questions, tool results) do all of this in one C call a layer instead (app.kernels.attend_rows: cache
 writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 
@@ -34,8 +34,8 @@ from app.kernels.int8_layer import fused_layers
 
 SUPPORTED = frozenset({"llama"})
 # PyTorch's CPU flash attention multiplies queries by keys in blocks of up to 32 queries (64 from 192 queries a
-# call on), and a block of fewer than 4 queries takes another matrix-product path with other rounding (measured:
-# a query gets the same bits in any block of 4 to 32). So shared-prefix calls are padded to a multiple of 4
+# call on), and a block of fewer than 4 queries takes another matrix-product path with other rounding (a query
+# gets the same bits in any block of 4 to 32). So shared-prefix calls are padded to a multiple of 4
 # queries and kept under 192: every block holds 4 or more, whoever shares the call (tests/test_int8.py).
 QUERY_PAD = 4
 QUERIES_PER_CALL = 160
@@ -143,8 +143,7 @@ def _prefix_attention(query: torch.Tensor, rows: list[Row], spans: list[tuple[in
 
 
 def _merge(head: torch.Tensor, head_lse: torch.Tensor, own: torch.Tensor, own_lse: torch.Tensor) -> torch.Tensor:
-    """Two attention outputs over disjoint keys as one softmax over both (cascade attention): the prefix's part
-    weighs its share of the exponent sum, e^h / (e^h + e^o) = sigmoid(h - o)."""
+    """Two attention outputs over disjoint keys as one softmax over both: the prefix's share is sigmoid(h - o)."""
     return torch.lerp(own, head, torch.sigmoid(head_lse - own_lse).unsqueeze(-1))
 
 

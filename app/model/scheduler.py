@@ -37,9 +37,8 @@ GATHER_S = 0.02  # how long a step waits for rows still choosing their last toke
 
 
 class Cancelled(Exception):
-    """A request's cancel was set before its pass was done: a long prefill stops between two chunks (in Chromium,
-    Stop during a 3,000-character message's turn took 7.6 s, the Batch tab's 20 s). The cache keeps the chunks
-    fed so far (an exact prefix, as after any pass)."""
+    """A request's cancel was set before its pass was done: a long prefill stops between two chunks, so Stop is
+    quick. The cache keeps the chunks fed so far (an exact prefix, as after any pass)."""
 
     def __init__(self, fed: int, reused: int):
         super().__init__(f"cancelled after {fed} tokens")
@@ -89,9 +88,8 @@ def plan_step(rows: list[tuple[int, int]]) -> list[int]:
     """How many of its pending tokens each (pending, keep) row feeds this step: all of them for a decoding row
     (a token, or a few drafts), a chunk for a prefilling one, never leaving fewer than `keep` for its last chunk.
     Prefill chunks share a small budget while any other row is in the step, so they never stall it for long, and
-    the shortest prefills take it first: a question or a tool's result behind a long prefill (a cache-off batch
-    recomputing 8 sessions, an evicted history) waited for all of it, in the order the rows came (a chat's first
-    text 0.02 s alone, 4.3 s beside a cache-off batch of 8)."""
+    the shortest prefills take it first, so a question or a tool's result does not wait behind a long prefill (a
+    cache-off batch recomputing 8 sessions, an evicted history; docs/architecture.md)."""
     decoding = any(pending <= keep for pending, keep in rows)
     budget = CHUNK_BESIDE_DECODE if decoding else CHUNK_ALONE
     plan = [pending if pending <= keep else 0 for pending, keep in rows]
@@ -109,7 +107,7 @@ class Scheduler:
     """Runs forward passes for many sessions' TokenCaches, batched step by step on one thread."""
 
     def __init__(self, model, max_rows: int = MAX_ROWS):
-        model_threads()  # a bad MODEL_THREADS fails here, at load: in the thread it ended it, and every pass hung
+        model_threads()  # a bad MODEL_THREADS fails here, at load: in the thread it would end it, and passes hang
         self.model = model
         self.max_rows = max_rows
         self.ragged = ragged.supports(model)
@@ -127,7 +125,7 @@ class Scheduler:
         """Bracket a row's turn (LocalBackend.turn_scope): before its first pass and between two of its passes
         (choosing a token, checking stops, running a tool) the next step waits up to GATHER_S for it, so that rows
         decoding together stay in one pass instead of alternating, and turns that start together prefill
-        together (8 questions sent at once reached the scheduler over 4-31 ms; the first used to prefill alone)."""
+        together (questions sent at once reach the scheduler a few ms apart)."""
         with self._cond:
             self._in_turns += 1
         try:
@@ -143,18 +141,15 @@ class Scheduler:
 
     def forward(self, cache: TokenCache, keep: int = 1,
                 cancel: threading.Event | None = None) -> tuple[torch.Tensor, int, int]:
-        """Feed `cache`'s uncached ids in the next steps; return (logits of the last `keep` positions, tokens
-        fed, tokens reused), like TokenCache.forward. The caller owns `cache` and must not touch it meanwhile.
-        Raises Cancelled when `cancel` is set before the pass is done (checked before each of its steps)."""
+        """TokenCache.forward through the next steps (leave `cache` alone meanwhile); Cancelled where cancelled."""
         return self.submit(cache, keep, cancel).result()
 
     def submit(self, cache: TokenCache, keep: int = 1, cancel: threading.Event | None = None,
                then: Then | None = None, ended: Callable[[], None] | None = None) -> Pass:
         """Like forward, without waiting. With `then`, the request goes on for as long as `then` (called in the
         scheduler's thread after each pass, on the pass's logits) gives the next pass's keep: a decoding row's
-        per-token work runs there right after its pass, and the row joins the next step with no thread hand-off
-        (8 chats at once: ~5 ms between two steps, 8 threads waking in turn for the GIL, against ~0.5 ms for one
-        chat). `ended` is called once it is done, whatever the outcome."""
+        per-token work runs there right after its pass, and the row joins the next step without threads waking in
+        turn for the GIL (docs/concurrency.md). `ended` is called once it is done, whatever the outcome."""
         request = Pass(cache, keep, cancel, then, ended)
         with self._cond:
             if self._thread is None:
@@ -170,10 +165,9 @@ class Scheduler:
     def release(self, timeout: float | None = None) -> None:
         """End the thread (and its OpenMP pool) once its work is done (waiting up to `timeout` seconds); the next
         forward starts another. For a process that then runs another model: it keeps one pool (app.threads), and
-        at the process's exit (atexit, before the interpreter's teardown). The thread never ends by itself: one
-        ending while the process exits aborted it (a C++ `terminate` in the threads' teardown), and so did exiting
-        right after a step with the thread still there (8 chats at once, then exit: 3 aborts in 10 runs since rows'
-        work runs in this thread; 0 in 8 with this release first)."""
+        at the process's exit (atexit, before the interpreter's teardown). The thread never ends by itself: a
+        thread still there, or ending, while the process exits can abort it (a C++ `terminate` in the threads'
+        teardown; docs/concurrency.md)."""
         with self._cond:
             thread = self._thread
             if thread is None:

@@ -81,8 +81,8 @@ class Service:
                 message: str | None = None) -> Session:
         """The entry's session for this engine and prompt template (None: the default one): created when
         missing; a different tool set or prompt starts a new chat, with a note. A new session that cannot take
-        `message` (a prompt too long for max_length) raises before it replaces the chat: a rejected message
-        used to leave the visitor with the new, empty chat and the old one gone (found in Chromium)."""
+        `message` (a prompt too long for max_length) raises before it replaces the chat, so a rejected message
+        leaves the old chat as it was."""
         key = tuple(engine.tools)
         prompt = default_prompt_template() if prompt is None else prompt
         current = self.matching_session(entry, engine, prompt)
@@ -121,8 +121,7 @@ class Service:
         return sum(kv_nbytes(kv) for kv in held.values())
 
     def release_prompts(self) -> int:
-        """The store's release_shared: every engine lets go of the visitors' prompts no session reads; the bytes
-        freed."""
+        """The store's release_shared: every engine lets go of the prompts no session reads; the bytes freed."""
         before = self.shared_kv_bytes()
         read = {id(kv) for kv in self.store.prefixes()}
         with self._lock:

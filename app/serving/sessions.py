@@ -34,26 +34,23 @@ def budget_from_env(default_mb: float = 512) -> int:
     return int(float(os.environ.get("KV_BUDGET_MB", default_mb)) * MB)
 
 
-# Tokens a job is expected to add, for its reservation: a turn added 34-79 (median 46) on the bundled model, for a
-# question, its tool call and result and the answer (25 turns: the load test's and concurrency_bench's questions).
-# A job that adds more still runs: the reservation paces admission; a running session's cache is never dropped.
+# Tokens a job is expected to add, for its reservation: a question, its tool call and result and the answer, on
+# the bundled model (docs/concurrency.md). A job that adds more still runs: the reservation paces admission; a
+# running session's cache is never dropped.
 TURN_TOKENS = 64
 
 
 def kv_after(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True) -> int:
-    """The bytes a cache run from `session`'s point holds by the end of a job: room for TURN_TOKENS more tokens
-    (its storage grows in steps: app.model.kvcache.room_for). With the cache on, that cache is the session's own part;
-    with it off, every segment recomputes the whole session in a cache of its own, the shared prompt's part
-    included."""
+    """The bytes a cache run from `session`'s point holds by the end of a job: room for TURN_TOKENS more tokens,
+    less the shared prompt's part where the cache is on and shares it."""
     shared = session.prompt_tokens if use_cache and shares_prefix else 0
     return room_for(len(session.cache) - shared + TURN_TOKENS) * bytes_per_token
 
 
 def kv_reserve(session: Session, bytes_per_token: int, use_cache: bool = True, shares_prefix: bool = True,
                rows: int = 1) -> int:
-    """What a model job whose caches the store does not hold (Compare's forks, a batch's rows, `/ask`'s session)
-    reserves under the KV budget while it runs (SessionStore.turn_slot): `rows` caches of kv_after, less what
-    the session holds now where the cache is on (all of it for a fork that copies it)."""
+    """What a job whose caches the store does not hold (Compare's forks, a batch's rows, `/ask`) reserves while it
+    runs: `rows` caches of kv_after, less what the session holds where the cache is on."""
     after = kv_after(session, bytes_per_token, use_cache, shares_prefix)
     return rows * max(0, after - (session.cache.nbytes if use_cache else 0))
 
@@ -68,9 +65,8 @@ class StopSignal:
     """One Stop button. The page takes a ticket when it submits work; a Stop pressed after that cancels the work
     between two tokens if it runs, or at once when it starts if it was still waiting in the queue.
 
-    Each piece of work watches an Event of its own (`begin`), which a press sets. Regression: with one Event for
-    the button, the next piece of work cleared it when it started, so a message sent right after Stop, while the
-    stopped turn was still in a long prefill, let that turn run on to its end."""
+    Each piece of work watches an Event of its own (`begin`), which a press sets, so work that starts after a
+    Stop cannot clear the stop of work still running (docs/architecture.md)."""
 
     presses: int = 0
     _running: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)  # begun Events, until dropped
@@ -249,12 +245,7 @@ class SessionStore:
         return stop
 
     def enforce_budget(self, shared_bytes: int = 0) -> list[str]:
-        """Drop the KV of least recently used sessions until they fit the budget beside `shared_bytes` (KV held
-        outside the sessions); return their keys.
-
-        Ids and history stay, so those sessions continue (recomputing their cache on the next turn). A session
-        whose turn is running (its lock is held) is skipped: its cache is in use.
-        """
+        """Drop idle sessions' KV, least recently used first, to fit the budget beside `shared_bytes`; their keys."""
         return self._drop_to_budget(shared_bytes)[0]
 
     def _drop_to_budget(self, shared_bytes: int, jobs: Sequence[_Reservation] = ()) -> tuple[list[str], int]:
@@ -303,16 +294,14 @@ class SessionStore:
         other job runs (one always may, whatever the budget); otherwise it waits for jobs to end. A running
         session's cache is never dropped, so this is what holds the budget under load. A job reserves `reserve`
         bytes for what it is about to add while it runs (kv_reserve): jobs that arrive together would otherwise
-        all start against the same free room (20 chats at once peaked at 259 MB under a 64 MB budget). Waiting
-        jobs start in the order they came: a later one that fits does not pass one that needs more room (20 chats
-        under 64 MB: p95 first text 8.9-10.9 s when any that fitted went first, 4.5 s in order). A job stopped
-        while it waits starts at once (and stops at its first step).
+        all start against the same free room. Waiting jobs start in the order they came: a later one that fits does
+        not pass one that needs more room (docs/concurrency.md). A job stopped while it waits starts at once (and
+        stops at its first step).
 
         `fills`: the cache a job grows where the store counts it (a chat turn's or `/chat`'s session), and
         `reserve` then what that cache will hold by the job's end (kv_after): what it holds is counted with the
-        sessions' caches and the rest is reserved, so a turn's growth counts once (counted twice, a turn looked as
-        large again as it was by its end: 20 chats under 64 MB peaked at 50-52 MB, the rest unused while turns
-        waited), and a cache dropped while its turn waited is reserved whole again. Making room drops no cache
+        sessions' caches and the rest is reserved, so a turn's growth counts once, and a cache dropped while its
+        turn waited is reserved whole again. Making room drops no cache
         that a running job, or the job being let in, fills."""
         job = _Reservation(reserve, fills)
         with self._turns:

@@ -1,10 +1,9 @@
 """A turn's events produced on a thread of their own and handed to a streaming handler in batches.
 
 Why: Gradio advances a handler's generator one yield at a time from its event loop, so a turn iterated inside the
-handler asked the model for its next token only after its last one had been rendered and sent. With 20 API
-clients at once the scheduler then waited on the page's loop, not the other way round (a 28 s load phase: 72
-steps, the server's two cores busy with per-token updates). Here the turn runs at the model's pace, and each
-time the handler comes back it takes every event that arrived meanwhile and renders them once.
+handler would ask the model for its next token only after its last one had been rendered and sent, and under load
+the scheduler would wait on the page's loop (docs/concurrency.md). Here the turn runs at the model's pace, and
+each time the handler comes back it takes every event that arrived meanwhile and renders them once.
 """
 
 from __future__ import annotations
@@ -61,14 +60,9 @@ def in_batches(events: Iterator[T], cancel: threading.Event) -> Iterator[list[T]
 
 
 def closes_elsewhere(handler: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
-    """A streaming handler whose stream, when closed early, is closed on a thread of its own.
-
-    Why: a web framework closes a generator whose client went away (Gradio: `iterator.close()` on its event
-    loop), and closing a turn's handler waits for the turn to end (in_batches: up to one step of the model, then
-    the KV budget's place is given back), or for a batch's rows. Meanwhile the event loop served no one: every
-    visitor's stream stalled. Here the close returns at once and the handler's own close (its `finally` blocks,
-    in order) runs on a daemon thread. The wrapper is a generator function with the handler's signature, so
-    the framework reads the same inputs from it."""
+    """A streaming handler whose stream, when closed early, is closed on a thread of its own: Gradio closes a
+    gone client's generator on its event loop, and closing a turn's handler waits for the turn to end, which would
+    stall every visitor's stream. The wrapper keeps the handler's signature, so the framework reads the same inputs."""
 
     @functools.wraps(handler)
     def streaming(*args, **kwargs) -> Iterator[T]:

@@ -19,7 +19,7 @@ class ToolError(Exception):
 class Misrouted(ToolError):
     """A query that belongs to another tool (`tool`): run_tool passes it on where the session has that tool, and
     the model reads that tool's output; elsewhere it is this error. Why: a small model sends small sums to Search
-    ("What is 3 - 7?"), and given an error that named the Calculator's result it answered "Result = 3 - 7: 3"."""
+    ("What is 3 - 7?"), and given an error naming the Calculator's result it answers from the operands."""
 
     def __init__(self, message: str, tool: str):
         super().__init__(message)

@@ -42,14 +42,14 @@ _REPLACEMENTS = {
 _THOUSANDS = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)")
 # "25% of 640", as the model writes a question's percentage; a bare % stays Python's modulo.
 _PERCENT_OF = re.compile(r"(\d+(?:\.\d+)?)\s*(?:%|percent)\s*of\b\s*", re.IGNORECASE)
-# Operators in words, as a visitor types them and the model passes them on ("square root of 2" went to Search,
-# which found "Death Square", and the answer read "Result = 100"): only between numbers (or brackets), so a
-# phrase that is not arithmetic stays words. A number here: digits, with a point or thousands commas.
+# Operators in words, as a visitor types them and the model passes them on (unread, "square root of 2" would go
+# to Search): only between numbers (or brackets), so a phrase that is not arithmetic stays words. A number here:
+# digits, with a point or thousands commas.
 _NUMBER = r"\d[\d,]*(?:\.\d+)?"
 _IN_WORDS = [(re.compile(rf"\b(?:the\s+)?square\s+root\s+of\s+({_NUMBER})", re.IGNORECASE), r"sqrt(\1)"),
              (re.compile(rf"({_NUMBER}|\))\s+squared\b", re.IGNORECASE), r"\1**2"),
              (re.compile(rf"({_NUMBER}|\))\s+cubed\b", re.IGNORECASE), r"\1**3"),
-             (re.compile(rf"(?<![\w.])({_NUMBER})\s*!(?!=)"), r"factorial(\1)"),  # "5!" (the model wrote it)
+             (re.compile(rf"(?<![\w.])({_NUMBER})\s*!(?!=)"), r"factorial(\1)"),  # "5!" (the model writes it)
              (re.compile(rf"({_NUMBER})\s+factorial\b(?!\s*\()", re.IGNORECASE), r"factorial(\1)"),
              (re.compile(rf"\bfactorial\s+of\s+({_NUMBER})", re.IGNORECASE), r"factorial(\1)")]
 _OPERATOR_WORDS = {r"times": "*", r"multiplied\s+by": "*", r"divided\s+by": "/", r"plus": "+", r"minus": "-",
@@ -266,9 +266,8 @@ _SPELLED = {"×": "*", "÷": "/"}  # (SmolLM2 has no token for "÷": the call co
 def sum_in(question: str) -> str | None:
     """The one sum a question writes in symbols, where the calculator reads it ("What is 2 + 2 * 3?" -> "2 + 2 *
     3"; × and ÷ as * and /, one space for each run of them); None for none, more than one, or a ratio, date or
-    score-like `a/b` or `a-b` ("the 80/20 rule", "24/7": the model says what they are). Why: asked "2 + 2 * 3", the
-    model sent "2 * 3" (and "7 * 8 * 5" for 7 * 8 - 5), or answered "Result = 4 - 6" and "Result = 101" (99 + 1)
-    with no call at all."""
+    score-like `a/b` or `a-b` ("the 80/20 rule", "24/7": the model says what they are). Why: left to itself, the
+    small model miscopies such a sum into its call, or answers with no call (docs/answer-quality-history.md)."""
     if not _MAY_HOLD_A_SUM.search(question):
         return None
     found = [match.group(0).strip().rstrip(",") for match in _SUM.finditer(question)]

@@ -16,15 +16,14 @@ _SHORT_SENTENCE = 20  # a first sentence shorter than this gets the next one too
 # One piece of the apparatus before a definition: a pronunciation, a part of speech, a bracketed
 # note, a sense number, or separating punctuation.
 # (The labels also come without their period where a comma or the paragraph's end follows: "n.,vi", "adj"; an
-# empty pronunciation is "//": 60 entries, YMMV, AFAIK and 404 among them, gave their labels as the definition.
-# "Abbrev. for “As Far As I Know”" opens a definition, not a label: AFAIK read "for “As Far As I Know”".)
+# empty pronunciation is "//". "Abbrev. for “As Far As I Know”" opens a definition, not a label.)
 _PART_OF_SPEECH = (r"(?:pl\.\s*)?(?:n|v|vt|vi|adj|adv|interj|imp|prep|excl|conj|pron|abbrev|suff|pref|prov|quant|cav"
                    r"|obs)(?:\.|(?=,|\s*\Z))(?!\s*for\b)")
 _APPARATUS = re.compile(
     rf"\A(?:\s+|[,;:]|/[^/\n]{{0,40}}/|{_PART_OF_SPEECH}|\[[^\]]*\]|\(also [^)]*\)|\d{{1,2}}\.(?=\s))", re.IGNORECASE)
 _BRACKETS = re.compile(r"\s*\[[^\]]*\]")
-# "Abbrev. for “As Far As I Know”" (5 entries): what the abbreviation stands for is its meaning, unquoted. (Kept
-# whole, the model answered "Result = AFAIK: AFAIK: AFAIK:"; with the label stripped, "AFAIK: for “As Far …”".)
+# "Abbrev. for “As Far As I Know”": what the abbreviation stands for is its meaning, unquoted, which the model
+# copies (docs/answer-quality-history.md).
 _ABBREV_FOR = re.compile(r"\AAbbrev\.\s+for\s+(?:[“‘]([^”’]*)[”’])?")
 _FIRST_SENSE = re.compile(r"^1\.\s", re.MULTILINE)
 _NOT_DEFINITIONS = ("“", "‘", "Also ")  # usage examples and alias notes ("Also bit decay.")
@@ -76,7 +75,7 @@ def opening(text: str, limit: int = MAX_DEFINITION_CHARS) -> str:
     """The first sentence (two when the first is very short) of sense 1, brackets removed, at most `limit` chars,
     without its final period. Quoted usage examples ("“Your patches are bogus.”") and alias notes ("Also bit
     decay.") are skipped. (Without the period, the model copying a definition into its answer goes on with
-    `<submit>`; after one it mostly started a new line and a new question: measured on the bundled model.)"""
+    `<submit>`, not a new line and a new question: docs/answer-quality-history.md.)"""
     sense = " ".join(_BRACKETS.sub("", first_sense(text)).split())
     expanded = _ABBREV_FOR.match(sense)  # (an abbreviation's expansion says it all, however short)
     if expanded:

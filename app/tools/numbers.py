@@ -66,7 +66,7 @@ def _to_float(value: Number) -> float:
         raise ToolError("number too large for a decimal result") from None
     if not math.isfinite(result):
         raise ToolError("number too large for a decimal result")
-    if result == 0 and value != 0:  # (underflow: "sqrt(2/10**1000)" printed 0)
+    if result == 0 and value != 0:  # (underflow: "sqrt(2/10**1000)" would print 0)
         raise ToolError("number too small for a decimal result")
     return result
 

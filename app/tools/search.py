@@ -311,8 +311,7 @@ def format_hits(hits: list[Hit], max_chars: int = MAX_OUTPUT_CHARS) -> str:
 
 
 def first_entry(output: str) -> str:
-    """What an answer copies from the tool's output: its first line, the best entry and its definition. (A
-    small model copies a whole line far more reliably than a part of one.) Nothing after "no results"."""
+    """What an answer copies from the output: its first line (a small model copies a whole line best), or nothing."""
     return "" if output.startswith(NO_RESULTS) else output.split("\n", 1)[0]
 
 
@@ -341,8 +340,8 @@ _CHAT_TERMS = frozenset({"up", "life", "me", "you", "it", "this", "that", "love"
 
 def term_in(question: str) -> str | None:
     """The Jargon File headword a question asks the meaning of, as it writes it (a plural or another case too),
-    else None. Why: asked "What is a magic cookie?", "What is gumby?" or "What is barn?", the model answered
-    without a look-up ("Result = Barn"), and "Define toaster." went to the Calculator."""
+    else None. Why: left to itself, the small model often answers such a question without a look-up, or sends it
+    to the Calculator (docs/answer-quality-history.md)."""
     asked = _ASKS_A_TERM.fullmatch(question) if len(question) <= MAX_QUERY_CHARS else None
     if asked is None or is_arithmetic(asked["term"]) or _key(asked["term"]) in _CHAT_TERMS:
         return None
@@ -356,8 +355,7 @@ def term_in(question: str) -> str | None:
 
 
 def names_headword(term: str, hit: Hit) -> bool:
-    """Whether `term` names the hit's headword itself (any case, a plural; not a headword only spelled like it,
-    not a headword whose own first character is punctuation: "me" is not /me)."""
+    """Whether `term` names the hit's headword itself (any case, a plural; not a near miss, and "me" is not /me)."""
     return hit.exact and hit.near is None and hit.title[:1].isalnum() and _key(hit.title) in headword_keys(term)
 
 
