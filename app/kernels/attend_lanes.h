@@ -1,4 +1,4 @@
-/* The vector kernel of app/attend_rows.c: up to 16 queries' attention, one vector lane each, over positions of
+/* The vector kernel of app/kernels/attend_rows.c: up to 16 queries' attention, one vector lane each, over positions of
  * 64-value keys and values, as parts (largest score, softmax sum, weighted values) that fold into one softmax in
  * a fixed order. Every lane runs the same arithmetic in the same order whatever the other lanes hold, so a query's
  * bits are its own. AVX-512 only (attend_rows.c includes it under __AVX512F__). */

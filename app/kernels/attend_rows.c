@@ -1,6 +1,6 @@
-/* Every row of a ragged pass with up to 64 new tokens, attending in one call a layer (app/attend_rows.py): each
+/* Every row of a ragged pass with up to 64 new tokens, attending in one call a layer (app/kernels/attend_rows.py): each
  * row's new keys/values written into its cache's room, then each new query's attention over the row's shared
- * prefix and its own keys, in parts (app/attend_lanes.h) shared between the calling thread's OpenMP team in two
+ * prefix and its own keys, in parts (app/kernels/attend_lanes.h) shared between the calling thread's OpenMP team in two
  * phases: first every row's queries over their shared prefix, in 2 pieces, up to 16 queries a task whatever their
  * rows (one vector lane each), and the own positions of rows with long histories, in pieces of 256; then each
  * row's tokens over its own keys, each query's parts merged into one softmax. Each query is computed in its own
@@ -152,7 +152,7 @@ int attend_fast(int64_t heads, int64_t groups, int64_t dim) {
 /* The pass's new queries (`heads` heads), keys and values (`groups` heads), `dim` values each, with their element
  * strides between heads and between tokens; out: tokens x heads x dim, written for the rows' tokens. Returns 0,
  * -1 without memory, -2 (nothing written) where attend_fast says no. Any number of tokens a row: which rows come
- * here is app/attend_rows.py's choice (BATCH_TOKENS). */
+ * here is app/kernels/attend_rows.py's choice (BATCH_TOKENS). */
 int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k, int64_t k_head, int64_t k_token,
                  const float *v, int64_t v_head, int64_t v_token, const RowKV *rows, int64_t count, int64_t heads,
                  int64_t groups, int64_t dim, float scale, float *out) {
