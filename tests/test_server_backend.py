@@ -266,7 +266,7 @@ def test_page_and_api_on_the_server_backend(backend):
     page = types.SimpleNamespace(session_hash="page-1")
     outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
                                 service_prompt(), page))
-    chat, _, status, _, stats = outputs[-1]
+    chat, _, status, _, stats, _ = outputs[-1]
     assert status == "done" and "string match `<call>`" in chat[1]["content"]
     assert f"Model: {backend.name}" in stats and "live on the model server" in stats
     assert service.api_ask("What is 12 * 9?")["backend"] == backend.name
