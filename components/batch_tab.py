@@ -19,7 +19,7 @@ from app.episode import Episode, EpisodeFinished
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards,
                               write_episodes)
 from components.inputs import clean_prompt
-from components.status import failure_status
+from components.status import failure_status, finished_marker
 
 if TYPE_CHECKING:
     from app.serving import SessionStore
@@ -39,19 +39,25 @@ class BatchTab:
 
     def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
               request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
-        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status, download):
-        the download, once the batch ends, is the cache-on pass's episodes as JSONL (components.batch.
-        episode_record)."""
-        cancel = self.store.get(request.session_hash).batch_stop.begin(ticket)
+        """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status, download,
+        marker): the download, once the batch ends, is the cache-on pass's episodes as JSONL (components.batch.
+        episode_record); the completion marker comes with the final status (done or error) only."""
+        entry = self.store.get(request.session_hash)
+        cancel = entry.batch_stop.begin(ticket)
+
+        def ended(*outputs) -> tuple:
+            """The run's last update: its outputs, and the marker of one more finished batch."""
+            return (*outputs, finished_marker(entry.batch_finished.bump()))
+
         try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
             engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
                                                    tools, seed, guide)
             prompt = clean_prompt(prompt)
         except Exception as error:  # handler boundary
-            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip()
+            yield ended(gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip())
             return
-        yield empty_frame(), "", "running", gr.DownloadButton(value=None, interactive=False)
+        yield empty_frame(), "", "running", gr.DownloadButton(value=None, interactive=False), gr.skip()
         try:
             questions = [item.question for item in items]
             runs: list[BatchRun] = []
@@ -66,20 +72,21 @@ class BatchTab:
                         if isinstance(event, EpisodeFinished):
                             finished[event.row] = event.episode
                             yield (gr.skip(), gr.skip(), f"running: cache {mode}, {len(finished)}/{len(items)} done",
-                                   gr.skip())
+                                   gr.skip(), gr.skip())
                 episodes = [finished[row] for row in range(len(finished)) if row in finished]  # rows 0.. in order
                 runs.append(BatchRun(episodes, time.perf_counter() - began, cached, stopped=cancel.is_set()))
                 if cached:  # show the rows as soon as the first pass is done
-                    yield batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off", gr.skip()
+                    yield (batch_frame(episodes, items), batch_summary(items, runs[0]), "running: cache off",
+                           gr.skip(), gr.skip())
                 if cancel.is_set():
                     break
             on, off = runs[0], (runs[1] if len(runs) > 1 else None)
             for episode, score in zip(on.episodes, rewards(on.episodes, items)):
                 episode.reward = score
             status = "done" if not cancel.is_set() else "done (stopped by user)"
-            yield batch_frame(on.episodes, items), batch_summary(items, on, off), status, episodes_download(on)
+            yield ended(batch_frame(on.episodes, items), batch_summary(items, on, off), status, episodes_download(on))
         except Exception as error:  # handler boundary
-            yield gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip()
+            yield ended(gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip())
 
     def stop_batch(self, request: gr.Request) -> None:
         self.store.cancel(request.session_hash, "batch")

@@ -19,7 +19,7 @@ from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown, guide_markdown
 from components.inputs import DEFAULTS, clean_prompt, make_settings
 from components.stats import stats_markdown
-from components.status import done_status, failure_status
+from components.status import done_status, failure_status, finished_marker
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from components.tokens import guided_spans, token_spans
 
@@ -56,7 +56,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
              request: gr.Request, seed=0, ticket: int | None = None, sent: int | None = None,
              guide: bool | None = None) -> Iterator[tuple]:
-        """One turn from the page, streamed: (chat, textbox, status, tokens, stats) per yield. `seed`: where a new
+        """One turn from the page, streamed: (chat, textbox, status, tokens, stats, marker) per yield; the marker
+        (finished_marker) comes with the final status only, once per turn, whatever ended it. `seed`: where a new
         chat's sampling starts; `ticket`: the Stop ticket taken when the page submitted it, `sent`: its number
         among the waiting messages (submit); `guide`: the Guided answers checkbox (None: the default). (The
         page's inputs come in the parameters' order, `request` apart.)"""
@@ -70,14 +71,16 @@ class ChatService(Service, ApiHandlers, BatchTab):
               max_new_tokens, max_turns, temperature, tools, prompt, seed, guide) -> Iterator[tuple]:
         cancel = entry.chat_stop.begin(ticket)
 
-        def view(status, textbox=None, partial=None, full=False):
+        def view(status, textbox=None, partial=None, full=False, final=False):
+            """One update; `final`: the turn's last, which bumps the visitor's count of finished work (last, once
+            everything else in it is ready) and carries the completion marker."""
             current = entry.session
             textbox = gr.skip() if textbox is None else textbox
             chat = chat_messages(current.episodes if current else [], entry.notes, partial,
                                  list(entry.waiting.values()))
-            if not full:
-                return chat, textbox, status, gr.skip(), gr.skip()
-            return chat, textbox, status, self.token_view(current), self.stats(current)
+            tokens, stats = (self.token_view(current), self.stats(current)) if full else (gr.skip(), gr.skip())
+            marker = finished_marker(entry.chat_finished.bump()) if final else gr.skip()
+            return chat, textbox, status, tokens, stats, marker
 
         if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent, and goes
             # back to the box with every other message the same Stop kept from being sent
@@ -86,7 +89,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
             entry.unsent.append(message)
             count = len(entry.unsent)
             status = "the message was not sent" if count == 1 else f"{count} messages were not sent"
-            yield view(f"stopped: {status}", textbox="\n".join(entry.unsent))
+            yield view(f"stopped: {status}", textbox="\n".join(entry.unsent), final=True)
             return
         try:
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
@@ -115,10 +118,10 @@ class ChatService(Service, ApiHandlers, BatchTab):
             others = len(entry.unanswered - {sent})
             ended = ending_note(session.episodes[-1] if session.episodes else None)
             yield view(done_status(others, len(entry.comparing), ended=ended) if entry.session is session
-                       else "new chat", full=True)
+                       else "new chat", full=True, final=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             entry.waiting.pop(sent, None)
-            yield view(failure_status(error, "turn", key), textbox=message, full=True)
+            yield view(failure_status(error, "turn", key), textbox=message, full=True, final=True)
         finally:
             entry.waiting.pop(sent, None)
             entry.unanswered.discard(sent)
@@ -159,12 +162,12 @@ class ChatService(Service, ApiHandlers, BatchTab):
     def chat_page(self, submitted: dict | None, use_cache, max_length, max_new_tokens, max_turns, temperature,
                   tools, prompt, request: gr.Request, seed=0, guide: bool | None = None) -> Iterator[tuple]:
         """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
-        status (done / error)."""
+        status (done / error) and its completion marker."""
         submitted = submitted or {}
         if "refused" in submitted:  # (kept in the box by submit; no place taken, no wait for the running turn)
             gr.Warning(f"not sent: {submitted['refused']} messages are waiting for their answers; send this one "
                        "when one is answered")
-            yield (gr.skip(),) * 8
+            yield (gr.skip(),) * 9
             return
         for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
                                 temperature, tools, prompt, request, seed, submitted.get("ticket"),
@@ -177,7 +180,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
                 request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
         """The question with the cache on and off, on forks of the visitor's session (an empty box: the chat's last
-        turn again, from where it was asked). Yields (result markdown, status)."""
+        turn again, from where it was asked). Yields (result markdown, status, completion marker)."""
         yield from self._compare("cache", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
                                  temperature, tools, prompt, seed, guide)
 
@@ -195,7 +198,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
         cancel, mine = entry.chat_stop.begin(ticket), object()
         entry.comparing.add(mine)
         try:
-            yield gr.skip(), f"running: compare ({what} on, then off)"
+            yield gr.skip(), f"running: compare ({what} on, then off)", gr.skip()
             question = (message or "").strip()
             rerun = not question  # the chat's last turn again
             if rerun:
@@ -218,9 +221,11 @@ class ChatService(Service, ApiHandlers, BatchTab):
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
                 result = run(engine, session, question, settings, cancel=cancel, turns=turns)
             entry.comparing.discard(mine)
-            yield render(result), done_status(len(entry.unanswered), len(entry.comparing), result.stopped)
+            shown, status = render(result), done_status(len(entry.unanswered), len(entry.comparing), result.stopped)
+            yield shown, status, finished_marker(entry.chat_finished.bump())
         except Exception as error:  # handler boundary
-            yield gr.skip(), failure_status(error, "compare", request.session_hash)
+            status = failure_status(error, "compare", request.session_hash)
+            yield gr.skip(), status, finished_marker(entry.chat_finished.bump())
         finally:
             entry.comparing.discard(mine)
 

@@ -11,6 +11,7 @@ from app.serving import closes_elsewhere
 from components.batch import MAX_BATCH, empty_frame
 from components.handlers import ChatService
 from components.inputs import DEFAULTS, tool_names
+from components.status import finished_marker
 from components.timing import COLOR_MAP as TIMING_COLORS
 from components.timing import prefill_frame, time_frame, timing_summary
 from components.tokens import COLOR_MAP
@@ -29,6 +30,13 @@ def launch_kwargs() -> dict:
         "css": (ASSETS / "style.css").read_text(encoding="utf-8"),
         "footer_links": ["api", "gradio"],
     }
+
+
+def completion_marker(elem_id: str) -> gr.HTML:
+    """A completion marker (components.status.finished_marker), starting at 0 finished: in the page's DOM for the
+    browser tests to read, and hidden from the visitor ("hidden": no space in the layout, unlike False, which
+    leaves it out of the DOM)."""
+    return gr.HTML(finished_marker(0), elem_id=elem_id, visible="hidden", js_on_load=None)
 
 
 def build_demo(service: ChatService | None = None) -> gr.Blocks:
@@ -54,6 +62,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             compare = gr.Button("Compare cache", elem_id="compare", size="md")
                             compare_guide = gr.Button("Compare guide", elem_id="compare-guide", size="md")
                         status = gr.Markdown("ready", elem_id="status")
+                        turn_marker = completion_marker("turn-marker")
                         gr.Examples(EXAMPLES, inputs=[msg], label="Examples", api_visibility="private")
                         compare_result = gr.Markdown(
                             "*Compare cache runs the message with the KV cache on and off from this point of the "
@@ -85,6 +94,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                             batch_run = gr.Button("Run batch", elem_id="batch-run", variant="primary")
                             batch_stop = gr.Button("Stop", elem_id="batch-stop", variant="stop")
                         batch_status = gr.Markdown("ready", elem_id="batch-status")
+                        batch_marker = completion_marker("batch-marker")
                         batch_summary = gr.Markdown("", elem_id="batch-summary")
                         batch_results = gr.Dataframe(empty_frame(), elem_id="batch-results", label="Per query",
                                                      interactive=False, wrap=True,
@@ -132,7 +142,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide]
         turn_inputs = [msg, *settings_inputs]
         charts_outputs = [timing, timing_ms, timing_text]
-        turn_outputs = [chat, msg, status, tokens, stats, *charts_outputs]
+        turn_outputs = [chat, msg, status, tokens, stats, turn_marker, *charts_outputs]
         charts = dict(fn=service.timing, inputs=None, outputs=charts_outputs, concurrency_id="charts",
                       concurrency_limit=None, show_progress="hidden", api_visibility="private")
         # the charts come with the turn's final status, so "done" means everything is shown; a message sent
@@ -156,17 +166,18 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # bring the "cleared" turns back (the session still holds them)
         chat.clear(**fresh, api_name="ui_clear_chat").then(**charts, api_name="ui_charts_clear_chat")
         compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
-            run_compare, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL, concurrency_limit=turns,
-            show_progress="hidden", api_visibility="private", api_name="ui_compare")
+            run_compare, [*turn_inputs, compare_ticket], [compare_result, status, turn_marker], concurrency_id=MODEL,
+            concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_compare")
         compare_guide.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_guide_ticket").then(
-            run_compare_guide, [*turn_inputs, compare_ticket], [compare_result, status], concurrency_id=MODEL,
-            concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_compare_guide")
+            run_compare_guide, [*turn_inputs, compare_ticket], [compare_result, status, turn_marker],
+            concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
+            api_name="ui_compare_guide")
         batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
         batch_run.click(service.batch_ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
             run_batch, [batch_questions, *settings_inputs, batch_ticket],
-            [batch_results, batch_summary, batch_status, batch_download],
+            [batch_results, batch_summary, batch_status, batch_download, batch_marker],
             concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
         demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,

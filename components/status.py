@@ -1,4 +1,5 @@
-"""The texts of the status line under the chat (and the Batch tab's): how a piece of work ended."""
+"""The texts of the status line under the chat (and the Batch tab's): how a piece of work ended; and the page's
+completion markers, which come in the same update as each final status."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ende
     parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
     done = "done (stopped by user)" if stopped else "done"
     return " · ".join([done, *[ended] * bool(ended), *parts, *["compare still running"] * bool(comparing)])
+
+
+def finished_marker(count: int) -> str:
+    """A completion marker's HTML: an empty span whose data-finished is how many pieces of work of its lane the
+    visitor has finished (app.sessions.Finished). It shows nothing; the browser tests read it."""
+    return f'<span data-finished="{int(count)}"></span>'
 
 
 def failure_status(error: Exception, what: str, key: str) -> str:

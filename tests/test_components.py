@@ -243,7 +243,8 @@ def test_the_pages_guided_answers_checkbox_is_on_and_reaches_every_handler(tiny_
         assert inputs[params.index("guide")] is checkbox, name
         assert getattr(inputs[params.index("seed")], "elem_id", None) == "seed", name
         assert len(inputs) <= len(params), name
-    assert batch_outputs(by_name["ui_batch"]) == ["batch-results", "batch-summary", "batch-status", "batch-download"]
+    assert batch_outputs(by_name["ui_batch"]) == ["batch-results", "batch-summary", "batch-status", "batch-download",
+                                                  "batch-marker"]
 
 
 def batch_outputs(fn) -> list[str]:
@@ -454,7 +455,7 @@ def calculator_plan(tokenizer):
 def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
     service, _ = make_service(tiny_llama, calculator_plan)
     outputs = turn(service, "What is 41 * 23?")
-    chat, textbox, status, tokens, stats = outputs[-1]
+    chat, textbox, status, tokens, stats, _ = outputs[-1]
     assert status == "done" and textbox == gr.skip()  # cleared at the start; text typed since is kept
     assert outputs[0][2] == "running" and outputs[0][1] == gr.skip()  # the page emptied the box on submit
     assert all(o[2] == "running" for o in outputs[:-1])
@@ -473,15 +474,15 @@ def test_errors_show_a_message_keep_the_text_and_the_session(tiny_llama, calcula
     service, _ = make_service(tiny_llama, calculator_plan)
     turn(service, "What is 41 * 23?")
     before = list(service.store.peek("page-1").session.cache.ids)
-    chat, textbox, status, _, _ = turn(service, "   ")[-1]
+    chat, textbox, status, *_ = turn(service, "   ")[-1]
     assert status == "error: the message is empty"
     assert len(chat) == 4  # the earlier turn is still shown
-    chat, textbox, status, _, _ = turn(service, "too long for this", max_length=len(before) + 2)[-1]
+    chat, textbox, status, *_ = turn(service, "too long for this", max_length=len(before) + 2)[-1]
     assert status.startswith("error: the context is full") and "start a new chat" in status
     assert textbox == "too long for this"  # nothing the visitor typed is lost
-    chat, textbox, status, _, _ = turn(service, "x", max_new_tokens=None)[-1]
+    chat, textbox, status, *_ = turn(service, "x", max_new_tokens=None)[-1]
     assert status == "error: max_new_tokens is empty; enter a number"
-    chat, textbox, status, _, _ = turn(service, "x", temperature=9)[-1]
+    chat, textbox, status, *_ = turn(service, "x", temperature=9)[-1]
     assert status.startswith("error: temperature must be")
     assert service.store.peek("page-1").session.cache.ids == before
 
@@ -491,7 +492,7 @@ def test_tool_set_change_starts_a_new_chat_with_a_note(tiny_llama, calculator_pl
     turn(service, "What is 41 * 23?")
     first = service.store.peek("page-1").session
     loaded.model.plan = {}
-    chat, _, status, tokens, _ = turn(service, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
+    chat, _, status, tokens, *_ = turn(service, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
     entry = service.store.peek("page-1")
     assert plain(status) == "done" and entry.session is not first and entry.engine_key == ("Calculator",)
     assert chat[0]["metadata"]["title"] == "Note" and "started a new chat" in chat[0]["content"]
@@ -504,7 +505,7 @@ def test_cache_off_gives_the_same_tokens(tiny_llama):
     for use_cache in (True, False):
         service, _ = make_service(tiny_llama, eos_ids=frozenset())
         turn(service, "hello", use_cache=use_cache, max_new_tokens=6)
-        _, _, status, _, _ = turn(service, "again", use_cache=use_cache, max_new_tokens=6)[-1]
+        _, _, status, *_ = turn(service, "again", use_cache=use_cache, max_new_tokens=6)[-1]
         session = service.store.peek("page-1").session
         assert plain(status) == "done"
         if not use_cache:
@@ -520,12 +521,12 @@ def test_stop_cancels_between_tokens_and_keeps_the_partial_segment(tiny_llama):
         outputs.append(output)
         if len(outputs) == 4:  # a few tokens in: press stop (its handler only sets the Event)
             service.stop(request())
-    chat, _, status, _, _ = outputs[-1]
+    chat, _, status, *_ = outputs[-1]
     assert status == "done"
     assert "stop: stopped by user" in chat[-1]["content"]
     segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
     assert segment.stop.reason is StopReason.CANCELLED and 0 < segment.generated_tokens < 200
-    _, _, status, _, _ = turn(service, "next", max_new_tokens=2)[-1]  # the session is still usable
+    _, _, status, *_ = turn(service, "next", max_new_tokens=2)[-1]  # the session is still usable
     assert plain(status) == "done"
 
 
@@ -649,7 +650,7 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     assert not service.store.peek("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
     chat, _, status, *_ = page_turn(service, service.submit("after the stop", chat, request())[1], max_new_tokens=3)
     assert plain(status) == "done" and chat[-2]["content"] == "after the stop"
-    chat, _, status, _, _ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
+    chat, _, status, *_ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
     assert plain(status) == "done" and "stopped by user" not in chat[-1]["content"]
 
 
@@ -758,7 +759,7 @@ def test_a_visitor_with_three_messages_unanswered_keeps_the_next_in_the_box(tiny
     assert box == "one more" and chat == gr.skip() and "message" not in refused
     with pytest.warns(UserWarning, match="not sent: 3 messages are waiting"):
         assert list(service.chat_page(refused, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(),
-                                      request())) == [(gr.skip(),) * 8]
+                                      request())) == [(gr.skip(),) * 9]
     entry = service.store.peek("page-1")
     assert sorted(entry.waiting.values()) == [f"message {n}" for n in range(MAX_UNANSWERED)]
     list(service.chat_page(sent[0], True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request()))
@@ -834,7 +835,7 @@ def writing_service(tiny_llama, *pieces: str) -> ChatService:
 @pytest.mark.parametrize("guide", [True, False])
 def test_the_guided_answers_checkbox_decides_the_turn_and_the_view_shows_the_guides_tokens(tiny_llama, guide):
     service = writing_service(tiny_llama, ALONE)
-    *_, (chat, _, status, tokens, _) = service.chat(CLAIMED, True, 4096, 24, 4, 0, ["Calculator", "Search"],
+    *_, (chat, _, status, tokens, *_) = service.chat(CLAIMED, True, 4096, 24, 4, 0, ["Calculator", "Search"],
                                                     default_prompt_template(), request(), guide=guide)
     episode = service.store.peek("page-1").session.episodes[-1]
     assert episode.guide is guide and status.startswith("done")

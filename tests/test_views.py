@@ -225,7 +225,7 @@ def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(t
     service, loaded = make_service(tiny_llama, answers_plan(tokenizer, 2, CALC))
     outputs = compare_outputs(service, "What is 41 * 23?")  # no chat yet: a fresh session
     assert outputs[0][1].startswith("running")
-    text, status = outputs[-1]
+    text, status, _ = outputs[-1]
     assert status == "done"
     assert "identical tokens: yes" in text and "| | cache on | cache off |" in text
     assert text.count("Result = 943&lt;submit&gt;") == 2
@@ -235,7 +235,7 @@ def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(t
     turn(service, "What is 41 * 23?")
     session = service.store.peek("page-1").session
     before = (list(session.cache.ids), len(session.episodes))
-    text, status = compare_outputs(service, "")[-1]
+    text, status, _ = compare_outputs(service, "")[-1]
     assert status == "done" and "Question: What is 41 \\* 23?" in text and "identical tokens: yes" in text
     assert (session.cache.ids, len(session.episodes)) == before
     assert service.store.peek("page-1").session is session
@@ -252,7 +252,7 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
     service, _ = make_service(tiny_llama, answers_plan(tokenizer, 2, *answers))
     text = "What is 41 * 23? | 943\nWhat is ninety-six over eight? | 12"
     outputs = list(service.batch(text, *SETTINGS, TOOLS, default_prompt_template(), request()))
-    frame, summary, status, download = outputs[-1]
+    frame, summary, status, download, _ = outputs[-1]
     assert status == "done" and outputs[0][2] == "running"
     assert outputs[0][3].interactive is False and all(o[3] == gr.skip() for o in outputs[1:-1])
     assert download.interactive is True and download.value["orig_name"] == "batch-episodes.jsonl"
@@ -293,7 +293,7 @@ def test_batch_input_errors(tiny_llama):
 def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(tiny_llama):
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
     custom = "You are Custom Bot. Tools you may call:\n{tools}\n"
-    chat, _, status, tokens, _ = turn(service, "hi", tools=["Calculator"], prompt=custom, max_new_tokens=2)[-1]
+    chat, _, status, tokens, *_ = turn(service, "hi", tools=["Calculator"], prompt=custom, max_new_tokens=2)[-1]
     assert plain(status) == "done"
     system = tokens[0]
     assert system[1] == "system" and system[0].startswith("You are Custom Bot. Tools you may call:\n- Calculator:")
@@ -305,20 +305,20 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
     turn(service, "more", tools=["Calculator"], prompt=custom, max_new_tokens=2)
     assert entry.session is first and len(first.episodes) == 2
     # a changed prompt starts a new chat with a visible note
-    chat, _, status, tokens, _ = turn(service, "again", tools=["Calculator"], prompt="Other. {tools}",
+    chat, _, status, tokens, *_ = turn(service, "again", tools=["Calculator"], prompt="Other. {tools}",
                                       max_new_tokens=2)[-1]
     assert plain(status) == "done" and entry.session is not first and len(entry.session.episodes) == 1
     assert chat[0]["metadata"]["title"] == "Note" and "System prompt changed" in chat[0]["content"]
     assert tokens[0][0].startswith("Other. - Calculator:")
     # an empty prompt is an error; the chat is kept
-    chat, textbox, status, _, _ = turn(service, "keep me", prompt="   ")[-1]
+    chat, textbox, status, *_ = turn(service, "keep me", prompt="   ")[-1]
     assert status.startswith("error: the system prompt is empty") and textbox == "keep me"
     assert len(entry.session.episodes) == 1
     kept = entry.session
-    chat, _, status, _, _ = turn(service, "keep me", tools=["Calculator"], prompt="".join(chr(0x4E00 + i) for i in range(7000)))[-1]
+    chat, _, status, *_ = turn(service, "keep me", tools=["Calculator"], prompt="".join(chr(0x4E00 + i) for i in range(7000)))[-1]
     assert status.startswith("error: the system prompt has") and entry.session is kept  # nothing lost
     assert "System prompt changed" in chat[0]["content"] and len(chat) > 1
-    chat, _, status, _, _ = turn(service, "keep me", prompt="x" * 8001)[-1]
+    chat, _, status, *_ = turn(service, "keep me", prompt="x" * 8001)[-1]
     assert status == "error: the system prompt is too long (8001 characters, at most 8000)" and entry.session is kept
 
 
@@ -333,9 +333,9 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     assert tokens_plot.value["datatypes"]["tokens"] == ms_plot.value["datatypes"]["ms"] == "quantitative"
     submitted = service.submit("What is 41 * 23?", [], request())[1]
     outputs = list(service.chat_page(submitted, *SETTINGS, TOOLS, default_prompt_template(), request()))
-    assert all(o[5:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
+    assert all(o[6:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
     assert outputs[-1][2] == "done"
-    tokens_plot, ms_plot, summary = outputs[-1][5:]
+    tokens_plot, ms_plot, summary = outputs[-1][6:]
     episode = service.store.peek("page-1").session.episodes[-1]
     assert summary == timing_summary([episode])
     frame = prefill_frame([episode])
@@ -358,7 +358,7 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
 
     loaded.model.forward = forward_then_stop
     ticket = service.ticket(request())
-    text, status = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
+    text, status, _ = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
                                         ticket=ticket))[-1]
     assert status == "done (stopped by user)" and text.count("stopped by user") == 3  # both runs + the verdict
     assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
@@ -376,7 +376,7 @@ def test_new_chat_during_a_batch_leaves_the_batch_running(tiny_llama):
         return forward(*args, **kwargs)
 
     loaded.model.forward = forward_then_new_chat
-    frame, summary, status, _ = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
+    frame, summary, status, *_ = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
                                                    request(), ticket=service.batch_ticket(request())))[-1]
     assert status == "done" and "total time, cache off" in summary
     assert "stopped by user" not in " ".join(frame["stops"])
@@ -388,7 +388,7 @@ def test_compare_guide_runs_the_question_with_the_guide_on_and_off_and_leaves_th
     outputs = list(service.compare_guide(CLAIMED, True, 4096, 24, 4, 0, TOOLS, default_prompt_template(), request(),
                                          guide=False))  # (the checkbox does not matter: both runs are made)
     assert outputs[0][1] == "running: compare (guide on, then off)"
-    text, status = outputs[-1]
+    text, status, _ = outputs[-1]
     assert plain(status) == "done" and "| | guide on | guide off |" in text
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in text.splitlines() if " | " in line}
     assert rows["answer"][0].startswith("&lt;request&gt;&lt;Calculator&gt;2 \\+ 2 \\* 3&lt;call&gt;")
@@ -401,10 +401,10 @@ def test_compare_guide_runs_the_question_with_the_guide_on_and_off_and_leaves_th
 
 def test_a_guided_batchs_jsonl_marks_the_guides_tokens_out_of_the_mask(tiny_llama):
     service = writing_service(tiny_llama, ALONE)
-    *_, (_, _, _, first) = service.batch("What is 1 + 1?", True, 4096, 24, 4, 0, TOOLS, default_prompt_template(),
+    *_, (_, _, _, first, _) = service.batch("What is 1 + 1?", True, 4096, 24, 4, 0, TOOLS, default_prompt_template(),
                                          request("other"), guide=True)
     path = Path(first.value["path"])
-    *_, (_, _, status, download) = service.batch(f"{CLAIMED} | 8", True, 4096, 24, 4, 0, TOOLS,
+    *_, (_, _, status, download, _) = service.batch(f"{CLAIMED} | 8", True, 4096, 24, 4, 0, TOOLS,
                                                  default_prompt_template(), request(), guide=True)
     assert plain(status) == "done"
     (line,) = [json.loads(line) for line in open(download.value["path"], encoding="utf-8")]

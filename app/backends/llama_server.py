@@ -42,7 +42,7 @@ class LlamaServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [str(server_binary()), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                     "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "--no-webui"]
+                     "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "--no-webui", "--metrics"]
         self.log = log
         self._process: subprocess.Popen | None = None
 

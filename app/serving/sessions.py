@@ -1,11 +1,12 @@
 """Server-side store of chat sessions, keyed by the web session id (e.g. Gradio's session hash).
 
 No Gradio imports: the page hands in a key string. Each entry holds an engine Session (token ids, history,
-KV cache), the key of the engine that owns it (its tool set), its prompt template, a StopSignal per Stop button, and notes
-to show above the chat. Memory is bounded by a byte budget over the KV caches: when the total goes over,
-the least recently used sessions lose their KV (`cache.drop_kv()`, ids and history are kept; their next turn
-recomputes); KV held outside the sessions (the shared prefilled prompts) counts too. Idle sessions are deleted
-after a timeout (by a sweeper thread and on every access), and a session is freed when its page unloads.
+KV cache), the key of the engine that owns it (its tool set), its prompt template, a StopSignal per Stop button, a
+count of finished work per lane (the page's completion markers), and notes to show above the chat. Memory is
+bounded by a byte budget over the KV caches: when the total goes over, the least recently used sessions lose their
+KV (`cache.drop_kv()`, ids and history are kept; their next turn recomputes); KV held outside the sessions (the
+shared prefilled prompts) counts too. Idle sessions are deleted after a timeout (by a sweeper thread and on every
+access), and a session is freed when its page unloads.
 """
 
 from __future__ import annotations
@@ -94,6 +95,21 @@ class StopSignal:
 
 
 @dataclass
+class Finished:
+    """How many pieces of work of one lane (the Chat tab's turns and Compares, or the Batch tab's runs) a visitor has
+    finished, for the page's completion marker: each bumps it once, with its final status."""
+
+    count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def bump(self) -> int:
+        """Count one more finished piece of work; the new count."""
+        with self._lock:  # (a turn and a Compare of the same visitor may end at once)
+            self.count += 1
+            return self.count
+
+
+@dataclass
 class Entry:
     """One visitor's chat: the engine session (None until the first turn) and what belongs with it."""
 
@@ -102,6 +118,8 @@ class Entry:
     prompt: str | None = None  # the prompt template the session started from (None: the engine's default)
     chat_stop: StopSignal = field(default_factory=StopSignal)  # the Chat tab's Stop: chat turns and Compare
     batch_stop: StopSignal = field(default_factory=StopSignal)  # the Batch tab's Stop
+    chat_finished: Finished = field(default_factory=Finished)  # chat turns and Compares that have ended
+    batch_finished: Finished = field(default_factory=Finished)  # Batch runs that have ended
     notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
     waiting: dict[int, str] = field(default_factory=dict)  # sent messages whose turn has not started, by number
     unanswered: set[int] = field(default_factory=set)  # sent messages whose turn has not ended (waiting or running)

@@ -1,5 +1,6 @@
 """The app in real Chromium, with the real bundled model: every check waits on elements the app owns
-(the `#status` text, chat messages), never on network calls; a turn's end as tests.ui.waits reads it."""
+(the `#status` text, chat messages), never on network calls; a turn's end by its completion marker
+(tests.ui.waits)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def set_number(page: Page, elem_id: str, value: float) -> None:
 
 
 def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
-    """Type and send a message; wait for this turn's end (tests.ui.waits: the chat's messages or the status line
-    changed, nothing in progress, a final status), then check its status."""
+    """Type and send a message; wait for this turn's end (tests.ui.waits: the page's count of finished turns has
+    grown, under a final status), then check its status."""
     mark = before(page)
     page.locator("#msg textarea").fill(text)
     page.locator("#send").click()
@@ -223,10 +224,9 @@ def test_messages_sent_while_a_turn_runs_are_answered_in_order_and_a_draft_is_ke
     expect(box).to_have_value("")
     box.fill("a draft I have not sent")
     expect(user_messages(page)).to_have_count(3, timeout=3 * TURN_MS)
-    # ("done" alone is not the end: a turn's final status may land after the next turn has started; a message
-    # waiting for its turn shows "waiting for the model…" until that turn starts, so the three have ended when
-    # nothing in the chat is waiting or generating under a final status, in one reading of the page)
-    wait_ended(mark, timeout=3 * TURN_MS)
+    # ("done" alone is not the end: each of the three turns ends on a final status, so the three have ended when
+    # the page's count of finished turns has grown by three)
+    wait_ended(mark, pieces=3, timeout=3 * TURN_MS)
     expect(page.locator("#status")).to_have_text(DONE)
     expect(user_messages(page)).to_have_text(
         ["Write a long story about a robot who learns to paint.", "What is 3 + 4?", "Say hi"])

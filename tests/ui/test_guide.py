@@ -1,6 +1,6 @@
 """Guided answers in real Chromium with the real bundled model: the checkbox, the "guide" colour in the token
 view, Compare guide, and two visitors at once with the guide on and off. Every wait is on an element the app
-owns (a turn's end as tests.ui.waits reads it)."""
+owns (a turn's end by its completion marker, tests.ui.waits)."""
 
 from __future__ import annotations
 

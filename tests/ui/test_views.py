@@ -11,15 +11,15 @@ from playwright.sync_api import Page, expect
 
 from tests.ui.conftest import OUT, TURN_MS
 from tests.ui.test_app import bot_messages, send, set_number, user_messages
-from tests.ui.waits import before, wait_ended
+from tests.ui.waits import BATCH, TURN, Lane, before, wait_ended
 
 pytestmark = pytest.mark.ui
 
 
-def click_and_wait(page: Page, button: str, status_id: str = "status", result_id: str = "compare-result") -> str:
-    """Click a button; wait for the end of the work it started (tests.ui.waits: its status line or its result
-    changed, to a final status); its final status."""
-    mark = before(page, status_id, watched=(result_id,), chat=False)
+def click_and_wait(page: Page, button: str, lane: Lane = TURN) -> str:
+    """Click a button; wait for the end of the work it started (tests.ui.waits: the lane's count of finished work
+    has grown, under a final status); its final status."""
+    mark = before(page, lane)
     page.locator(f"#{button}").click()
     return wait_ended(mark)
 
@@ -64,7 +64,7 @@ def test_batch_tab_with_builtin_questions(open_page):
     page.locator("#batch-load").click()
     expect(questions).to_have_value(re.compile(r"\| 943\n"))
     questions.fill("\n".join(questions.input_value().splitlines()[:2]))
-    assert click_and_wait(page, "batch-run", "batch-status", "batch-summary") == "done"
+    assert click_and_wait(page, "batch-run", BATCH) == "done"
     rows = page.locator("#batch-results div[role=row]")  # data rows (the header is a <tr>)
     expect(rows).to_have_count(2)
     expect(rows.first).to_contain_text("What is 41 * 23?")
@@ -91,7 +91,7 @@ def test_batch_tab_with_builtin_questions(open_page):
     assert "forced" in lines[0]["provenance"]  # (the Calculator's claim and the answer's number: the guide's)
     # bad input is a clear message; the server stays up
     questions.fill("")
-    assert click_and_wait(page, "batch-run", "batch-status", "batch-summary").startswith("error: no questions")
+    assert click_and_wait(page, "batch-run", BATCH).startswith("error: no questions")
 
 
 def test_batch_stop_button_stops_the_run(open_page):
