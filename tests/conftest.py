@@ -94,21 +94,21 @@ def server_tokenizer():
     return load_tokenizer()
 
 
-def _tiny(kind: str, tokenizer) -> LoadedModel:
+def _tiny(kind: str, tokenizer, context: int = 4096) -> LoadedModel:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     vocab = len(tokenizer)
     if kind == "llama":
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                           bos_token_id=1, eos_token_id=2, pad_token_id=2)
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=4096,
+        cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=context,
                          bos_token_id=1, eos_token_id=2)
         model = GPT2LMHeadModel(cfg)
-    return wrap(model, tokenizer, f"tiny-{kind}")
+    return wrap(model, tokenizer, f"tiny-{kind}" + ("" if context == 4096 else f"-{context}"))
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])
@@ -119,6 +119,13 @@ def tiny(request, tokenizer) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_llama(tokenizer) -> LoadedModel:
     return _tiny("llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def short_llama(tokenizer) -> LoadedModel:
+    """A tiny llama whose context (1,024 tokens) is shorter than every default max_length, like a model server's
+    slot of `-c 4096 -np 4`."""
+    return _tiny("llama", tokenizer, context=1024)
 
 
 class ForcedModel(torch.nn.Module):

