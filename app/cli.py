@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from app.episode import Episode, EpisodeFinished, SegmentFinished, TextDelta, count_text
-from app.settings import Settings, clean_question
+from app.settings import DEFAULT_MAX_LENGTH, Settings, clean_question
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--guide", action=argparse.BooleanOptionalAction, default=Settings.guide,
                      help="guided answers: a grammar per segment keeps it to the protocol and opens the answer with "
                           "the tool's result; --no-guide lets the model write alone (default: on)")
-    ask.add_argument("--max-length", type=int, default=Settings.max_length, help="token budget of the session")
+    ask.add_argument("--max-length", type=int, help=f"token budget of the session (default: {DEFAULT_MAX_LENGTH}, "
+                                                    "or the backend's context where that is shorter)")
     ask.add_argument("--max-new-tokens", type=int, default=Settings.max_new_tokens, help="tokens per segment")
     ask.add_argument("--max-turns", type=int, default=Settings.max_turns, help="tool calls per answer")
     ask.add_argument("--max-tool-response", type=int, default=Settings.max_tool_response, help="characters")
@@ -91,7 +92,7 @@ def _ask(args) -> int:
     from app.episode import in_row_order
 
     engine = Engine(load_backend(), tools=tools, prompt=prompt)
-    settings.validated(engine.context_limit)
+    settings = settings.validated(engine.context_limit)  # (--max-length not given: what fits this backend)
     failed = 0
     for event in in_row_order(engine.stream_batch(args.questions, settings)):  # the rows run at once
         if isinstance(event, EpisodeFinished) and event.episode.error is not None:

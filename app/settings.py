@@ -6,9 +6,10 @@ Standard library only, so the CLI can build its parser and check its arguments w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_QUESTION_CHARS = 4000
+DEFAULT_MAX_LENGTH = 4096  # a session's token budget where none is given, unless the backend's context is shorter
 MIN_TEMPERATURE = 0.01  # below it sampling is greedy in all but name, and tiny values overflow logits / temperature
 
 
@@ -21,7 +22,9 @@ class Settings:
     """Generation parameters of one turn. Frozen: a change is a new value, never a mutation of shared config."""
 
     max_new_tokens: int = 64  # per model segment
-    max_length: int = 4096  # token budget of the whole session: prompt + history + this turn
+    # token budget of the whole session (prompt + history + this turn); None: the default for the backend, resolved
+    # by validated() (DEFAULT_MAX_LENGTH or the backend's context, the smaller)
+    max_length: int | None = None
     max_turns: int = 4  # tool calls per answer
     max_tool_response: int = 400  # characters of tool output the model reads
     temperature: float = 0.0  # 0 = greedy
@@ -31,7 +34,12 @@ class Settings:
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
     guide: bool = True  # guided answers (app.decoding.guide): a grammar per segment, every token it decides shown as such
 
-    def validated(self, context_limit: int) -> "Settings":
+    def validated(self, context_limit: int, default_max_length: int = DEFAULT_MAX_LENGTH) -> "Settings":
+        """These settings for a backend that holds `context_limit` tokens a session, or InputError for the first
+        mistake. A max_length not given becomes the smaller of `default_max_length` and that context; one given
+        above the context is refused."""
+        if self.max_length is None:
+            return replace(self, max_length=min(default_max_length, context_limit)).validated(context_limit)
         checks = [
             (1 <= self.max_new_tokens <= 4096, "max_new_tokens must be between 1 and 4096"),
             (1 <= self.max_length <= context_limit, f"max_length must be between 1 and {context_limit}"),

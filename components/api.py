@@ -16,7 +16,7 @@ from app.episode import SegmentFinished, TextDelta
 from app.serving import MB
 from app.serving import in_batches
 from app.settings import InputError, Settings, clean_question
-from components.inputs import settings_from_dict
+from components.inputs import DEFAULTS, settings_from_dict
 
 if TYPE_CHECKING:
     from app.serving import SessionStore
@@ -43,7 +43,7 @@ class ApiHandlers:
     def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings, str | None]:
         values, tools, prompt = settings_from_dict(settings)
         engine = self.engine_for(tools)
-        return engine, values.validated(engine.context_limit), prompt
+        return engine, values.validated(engine.context_limit, DEFAULTS.max_length), prompt
 
     def api_ask(self, question: str, settings: dict | None = None) -> dict:
         """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON).

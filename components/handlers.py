@@ -17,7 +17,7 @@ from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown, guide_markdown
-from components.inputs import DEFAULTS, clean_prompt, make_settings
+from components.inputs import DEFAULTS, clean_prompt, make_settings, max_length_for
 from components.stats import stats_markdown
 from components.status import done_status, failure_status, finished_marker
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
@@ -51,7 +51,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
         """The engine for the checked tools and the page's settings, checked against its model."""
         settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed, guide)
         engine = self.engine_for(list(tools or []))
-        return engine, settings.validated(engine.context_limit)
+        return engine, settings.validated(engine.context_limit, DEFAULTS.max_length)
 
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
              request: gr.Request, seed=0, ticket: int | None = None, sent: int | None = None,
@@ -242,11 +242,22 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
     def refresh(self, request: gr.Request) -> tuple:
         """Page load: a new page (a reload too) is a new Gradio session, so this shows an empty chat, the
-        server's stats, and registers the visitor; closing the page frees the session."""
+        server's stats, the max_length field fitted to the backend, and registers the visitor; closing the page
+        frees the session."""
         entry = self.store.get(request.session_hash)
         session = entry.session
         chat = chat_messages(session.episodes if session else [], entry.notes)
-        return chat, self.token_view(session), self.stats(session)
+        return chat, self.token_view(session), self.stats(session), self.max_length_field()
+
+    def max_length_field(self):
+        """The max_length field for a backend whose context is shorter than the page's default: that context, and
+        why. Else, or before the backend has loaded (never loaded here), the field as built: a turn sent with the
+        page's default gets the backend's (make_settings)."""
+        backend = self._backend
+        if backend is None or max_length_for(backend.context_limit) == DEFAULTS.max_length:
+            return gr.skip()
+        return gr.Number(value=max_length_for(backend.context_limit),
+                         info=f"at most {backend.context_limit:,} tokens here (the model's context)")
 
     def unload(self, request: gr.Request) -> None:
         self.store.remove(request.session_hash)

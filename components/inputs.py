@@ -8,6 +8,7 @@ import dataclasses
 from app.settings import InputError, Settings
 from app.tools import default_tools
 
+# the page's and the API's settings; max_length is their default where the backend's context holds it (max_length_for)
 DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
                 "use_cache", "seed", "draft_tokens", "guide")
@@ -30,9 +31,15 @@ def clean_prompt(prompt: str | None) -> str:
     return prompt
 
 
+def max_length_for(context_limit: int) -> int:
+    """The page's and the API's default max_length on a backend that holds `context_limit` tokens a session."""
+    return min(DEFAULTS.max_length, context_limit)
+
+
 def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0, guide=None) -> Settings:
     """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors.
-    `guide`: the Guided answers checkbox (None: the default, on)."""
+    `guide`: the Guided answers checkbox (None: the default, on). A max_length left at the page's default is not
+    given (None): the page shows that value before it knows the backend, which may hold fewer tokens."""
     def number(name, value, kind):
         if value is None or value == "":
             raise InputError(f"{name} is empty; enter a number")
@@ -46,11 +53,12 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
 
     if guide is not None and not isinstance(guide, bool):  # (a checkbox sends true or false; a raw call may not)
         raise InputError(f"guide must be true or false, not {guide!r}")
+    length = number("max_length", max_length, int)
     return dataclasses.replace(
         DEFAULTS,
         guide=DEFAULTS.guide if guide is None else guide,
         use_cache=bool(use_cache),
-        max_length=number("max_length", max_length, int),
+        max_length=None if length == DEFAULTS.max_length else length,
         max_new_tokens=number("max_new_tokens", max_new_tokens, int),
         max_turns=number("max_turns", max_turns, int),
         temperature=number("temperature", temperature, float),
@@ -60,7 +68,8 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
 
 def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None, str | None]:
     """API settings: any Settings field plus `tools` (list of names) and `prompt` (a system prompt template);
-    unknown keys are errors, and so is a value of the wrong type (`"guide": "yes"`, `"use_cache": 1`)."""
+    unknown keys are errors, and so is a value of the wrong type (`"guide": "yes"`, `"use_cache": 1`). A max_length
+    not given (or null) is None: the default for the backend (max_length_for)."""
     if values is not None and not isinstance(values, dict):
         raise InputError("settings must be a JSON object, e.g. {\"max_new_tokens\": 64}")
     values = dict(values or {})
@@ -69,11 +78,13 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None,
     if unknown:
         raise InputError(f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(SETTING_KEYS)}, tools, prompt)")
     try:
-        settings = dataclasses.replace(DEFAULTS, **values)
+        settings = dataclasses.replace(DEFAULTS, **{"max_length": None, **values})
     except TypeError as error:
         raise InputError(f"bad settings: {error}") from None
     for name in SETTING_KEYS:
         value = getattr(settings, name)
+        if name == "max_length" and value is None:  # (not given)
+            continue
         expected = bool if name in FLAGS else (float if name in ("temperature", "top_p") else int)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             continue

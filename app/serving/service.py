@@ -72,8 +72,8 @@ class Service:
         """Load the model, prefill the default system prompt and run one short turn on a session of its own, so the
         first visitor does not wait for first-time work (the guide's tables, each kernel's and tool's first run)."""
         engine = self.engine_for(None)
-        settings = dataclasses.replace(defaults, max_new_tokens=16,  # (a model server's slot may hold < 2,048)
-                                       max_length=min(defaults.max_length, engine.context_limit))
+        # (max_length None: the default for this backend, which fits its context; a server's slot may hold < 2,048)
+        settings = dataclasses.replace(defaults, max_new_tokens=16, max_length=None)
         engine.ask(engine.new_session(), WARM_UP_QUESTION, settings)
 
     # ---- sessions -------------------------------------------------------------------------------------------
