@@ -1,4 +1,5 @@
-"""Settings read from environment variables, with defaults that work offline on a fresh machine."""
+"""Where things live: the repository root, the bundled assets, and the local cache folder (TEXTENV_CACHE_DIR, by
+default ~/.cache/textenv-chat) for converted weights, built indexes and compiled kernels."""
 
 from __future__ import annotations
 

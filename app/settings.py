@@ -1,7 +1,7 @@
 """What a user sets and writes, checked: the turn's Settings, the question, InputError for a mistake.
 
-Standard library only, so the CLI can build its parser and check its arguments without importing the model stack
-(app.engine re-exports every name here).
+Standard library only, so the CLI can build its parser and check its arguments without importing the model stack;
+a shared leaf that every layer imports from here.
 """
 
 from __future__ import annotations

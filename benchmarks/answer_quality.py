@@ -282,7 +282,7 @@ def main() -> int:
                     runs[label(weights, guide)] = measure(Engine(loaded, prompt=prompt), guide, args)
                 loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
         else:
-            from app.backends.llama_server import LlamaServer
+            from tests.support.llama_server import LlamaServer
             from app.backends.server import ServerBackend
             from app.backends.server_client import ModelServer
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import app  # noqa: E402,F401  (first: one intra-op thread in every thread but the model's, app.threads)
 import torch  # noqa: E402
 
-from app.backends.llama_server import LlamaServer  # noqa: E402
+from tests.support.llama_server import LlamaServer  # noqa: E402
 from app.backends.server_client import ModelServer  # noqa: E402
 from app.engine.prompt import default_prompt_template, render_prompt  # noqa: E402
 from app.model.kvcache import new_kv  # noqa: E402

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -22,7 +23,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from local_app import running_app  # (benchmarks/, this script's folder)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.local_app import running_app  # noqa: E402
+
 SETTINGS = {"max_new_tokens": 48, "max_turns": 2}
 STARTUP_S, RUN_S = 240, 1500
 POLL_S = 0.02  # how often a client looks for new output: the resolution of its time to first text

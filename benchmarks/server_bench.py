@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.backends.base import Backend  # noqa: E402
-from app.backends.llama_server import LlamaServer  # noqa: E402
+from tests.support.llama_server import LlamaServer  # noqa: E402
 from app.backends.local import LocalBackend  # noqa: E402
 from app.backends.server import ServerBackend  # noqa: E402
 from app.backends.server_client import ModelServer  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.backends import BackendError, load_backend
-from app.backends.llama_server import LlamaServer
+from tests.support.llama_server import LlamaServer
 from app.engine.turns import Engine
 from app.model import loading
 from app.model.int8 import SAVED_INT8

@@ -25,7 +25,7 @@ import gradio as gr
 import pytest
 
 from app.backends.base import BackendError
-from app.backends.llama_server import LlamaServer, free_port
+from tests.support.llama_server import LlamaServer, free_port
 from app.backends.server import ServerBackend
 from app.backends.server_client import ModelServer
 from app.decoding.stops import Limit, StopReason

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.local_app import running_app
+from tests.support.local_app import running_app
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "test-output"
