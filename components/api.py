@@ -82,7 +82,8 @@ class ApiHandlers:
             engine, values, prompt = self._api_settings(settings)
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat
             entry = self.store.get(request.session_hash)
-            session = self.prepare(entry, engine, values, prompt, message)
+            session, change = self.prepare(entry, engine, values, prompt, message)
+            self.page_of(entry).chat_changed(change, engine.tools)  # (as the page's chat: the notes say so)
             text = ""
             cancel = entry.chat_stop.begin(None)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, **self.turn_room(session, values.use_cache)):

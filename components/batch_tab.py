@@ -18,7 +18,7 @@ from app.engine import builtin_questions
 from app.episode import Episode, EpisodeFinished
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards,
                               write_episodes)
-from components.inputs import clean_prompt
+from components.inputs import PageSettings
 from components.status import failure_status, finished_marker
 
 if TYPE_CHECKING:
@@ -42,18 +42,19 @@ class BatchTab:
         """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status, download,
         marker): the download, once the batch ends, is the cache-on pass's episodes as JSONL (components.batch.
         episode_record); the completion marker comes with the final status (done or error) only."""
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
         entry = self.store.get(request.session_hash)
+        state = self.page_of(entry)
         cancel = entry.batch_stop.begin(ticket)
 
         def ended(*outputs) -> tuple:
             """The run's last update: its outputs, and the marker of one more finished batch."""
-            return (*outputs, finished_marker(entry.batch_finished.bump()))
+            return (*outputs, finished_marker(state.batch_finished.bump()))
 
         try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
-            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed, guide)
-            prompt = clean_prompt(prompt)
+            engine, settings = self._page_settings(page)
+            prompt = page.prompt_template()
         except Exception as error:  # handler boundary
             yield ended(gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip())
             return

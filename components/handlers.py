@@ -11,13 +11,14 @@ import gradio as gr
 
 from app.engine import Engine, Session, compare, compare_guide
 from app.episode import SegmentFinished, SegmentStarted, TextDelta
-from app.serving import Service, in_batches
+from app.serving import Entry, Service, in_batches
 from app.settings import InputError, Settings, clean_question
 from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown, guide_markdown
-from components.inputs import DEFAULTS, clean_prompt, make_settings, max_length_for
+from components.inputs import DEFAULTS, PageSettings, max_length_for
+from components.page_state import PageState, PageStates
 from components.stats import stats_markdown
 from components.status import done_status, failure_status, finished_marker
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
@@ -27,7 +28,20 @@ MAX_UNANSWERED = 3  # a visitor's messages sent and not yet answered (the runnin
 
 
 class ChatService(Service, ApiHandlers, BatchTab):
-    """The page's events on the process's shared pieces (app.serving.Service)."""
+    """The page's events on the process's shared pieces (app.serving.Service), with each visitor's page state
+    (components/page_state.py) beside their serving entry."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pages = PageStates()
+
+    def page_of(self, entry: Entry) -> PageState:
+        """The visitor's page state, kept as long as their entry."""
+        return self.pages.of(entry)
+
+    def page_state(self, key: str) -> PageState | None:
+        """The page state of the visitor `key`, if they have one (nothing is created or marked used)."""
+        return self.pages.peek(self.store.peek(key))
 
     def warm_up(self) -> None:
         """Service.warm_up with the page's defaults."""
@@ -46,11 +60,10 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
 
     # ---- page events ----------------------------------------------------------------------------------------
-    def _page_settings(self, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
-                       seed=0, guide=None) -> tuple[Engine, Settings]:
+    def _page_settings(self, page: PageSettings) -> tuple[Engine, Settings]:
         """The engine for the checked tools and the page's settings, checked against its model."""
-        settings = make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed, guide)
-        engine = self.engine_for(list(tools or []))
+        settings = page.settings()
+        engine = self.engine_for(page.tool_list())
         return engine, settings.validated(engine.context_limit, DEFAULTS.max_length)
 
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
@@ -61,14 +74,20 @@ class ChatService(Service, ApiHandlers, BatchTab):
         chat's sampling starts; `ticket`: the Stop ticket taken when the page submitted it, `sent`: its number
         among the waiting messages (submit); `guide`: the Guided answers checkbox (None: the default). (The
         page's inputs come in the parameters' order, `request` apart.)"""
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        yield from self._turn(message, page, request, ticket, sent)
+
+    def _turn(self, message: str, page: PageSettings, request: gr.Request, ticket: int | None,
+              sent: int | None) -> Iterator[tuple]:
+        """chat() on the page's settings, one turn of this visitor's at a time."""
         key = request.session_hash
         entry = self.store.get(key)
-        with entry.turn_order:  # (a turn of this visitor's that is still running ends first)
-            yield from self._chat(entry, key, message or "", ticket, sent, use_cache, max_length, max_new_tokens,
-                                  max_turns, temperature, tools, prompt, seed, guide)
+        state = self.page_of(entry)
+        with state.turn_order:  # (a turn of this visitor's that is still running ends first)
+            yield from self._chat(entry, state, key, message or "", ticket, sent, page)
 
-    def _chat(self, entry, key: str, message: str, ticket: int | None, sent: int | None, use_cache, max_length,
-              max_new_tokens, max_turns, temperature, tools, prompt, seed, guide) -> Iterator[tuple]:
+    def _chat(self, entry: Entry, state: PageState, key: str, message: str, ticket: int | None, sent: int | None,
+              page: PageSettings) -> Iterator[tuple]:
         cancel = entry.chat_stop.begin(ticket)
 
         def view(status, textbox=None, partial=None, full=False, final=False):
@@ -76,33 +95,29 @@ class ChatService(Service, ApiHandlers, BatchTab):
             everything else in it is ready) and carries the completion marker."""
             current = entry.session
             textbox = gr.skip() if textbox is None else textbox
-            chat = chat_messages(current.episodes if current else [], entry.notes, partial,
-                                 list(entry.waiting.values()))
+            chat = chat_messages(current.episodes if current else [], state.notes, partial, state.waiting_messages())
             tokens, stats = (self.token_view(current), self.stats(current)) if full else (gr.skip(), gr.skip())
-            marker = finished_marker(entry.chat_finished.bump()) if final else gr.skip()
+            marker = finished_marker(state.chat_finished.bump()) if final else gr.skip()
             return chat, textbox, status, tokens, stats, marker
 
         if cancel.is_set():  # Stop was pressed while this message waited in the queue: it is not sent, and goes
             # back to the box with every other message the same Stop kept from being sent
-            entry.waiting.pop(sent, None)
-            entry.unanswered.discard(sent)
-            entry.unsent.append(message)
-            count = len(entry.unsent)
-            status = "the message was not sent" if count == 1 else f"{count} messages were not sent"
-            yield view(f"stopped: {status}", textbox="\n".join(entry.unsent), final=True)
+            unsent = state.not_sent(sent, message)
+            status = "the message was not sent" if len(unsent) == 1 else f"{len(unsent)} messages were not sent"
+            yield view(f"stopped: {status}", textbox="\n".join(unsent), final=True)
             return
         try:
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
-            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed, guide)
+            engine, settings = self._page_settings(page)
             question = clean_question(message)  # before prepare: a rejected message must not start a new chat
-            session = self.prepare(entry, engine, settings, clean_prompt(prompt), question)
+            session, change = self.prepare(entry, engine, settings, page.prompt_template(), question)
+            state.chat_changed(change, engine.tools)
             partial: str | None = None
             room = self.turn_room(session, settings.use_cache)  # (it waits while running jobs fill the budget)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, **room):
                 # (the turn runs at the model's pace; each update shows everything that arrived since the last)
                 for events in in_batches(engine.turn(session, message, settings, cancel=cancel), cancel):
-                    entry.waiting.pop(sent, None)  # started: the episode shows it from now on
+                    state.started(sent)  # the episode shows it from now on
                     if entry.session is not session:  # new chat (or page closed) while this turn ran
                         break
                     full = False
@@ -115,16 +130,15 @@ class ChatService(Service, ApiHandlers, BatchTab):
                             partial, full = None, True
                     yield view("running", partial=partial, full=full)
             self.store.enforce_budget(self.shared_kv_bytes())
-            others = len(entry.unanswered - {sent})
+            others = state.unanswered_besides(sent)
             ended = ending_note(session.episodes[-1] if session.episodes else None)
-            yield view(done_status(others, len(entry.comparing), ended=ended) if entry.session is session
+            yield view(done_status(others, len(state.comparing), ended=ended) if entry.session is session
                        else "new chat", full=True, final=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
-            entry.waiting.pop(sent, None)
+            state.started(sent)
             yield view(failure_status(error, "turn", key), textbox=message, full=True, final=True)
         finally:
-            entry.waiting.pop(sent, None)
-            entry.unanswered.discard(sent)
+            state.answered(sent)
 
     def timing(self, request: gr.Request) -> tuple:
         """The timing view of this visitor's chat: charts of prefill tokens (new vs reused) and ms per segment,
@@ -145,14 +159,14 @@ class ChatService(Service, ApiHandlers, BatchTab):
         each waiting turn holds one of the model's shared places while it waits for the visitor's running one,
         so one visitor could otherwise hold them all."""
         entry, message = self.store.get(request.session_hash), message or ""
-        if message.strip() and len(entry.unanswered) >= MAX_UNANSWERED:
-            return message, {"refused": len(entry.unanswered)}, gr.skip()
-        entry.unsent.clear()  # (messages a Stop put back in the box: the box is the visitor's again)
-        submitted = {"message": message, "ticket": entry.chat_stop.ticket(), "sent": next(entry.sent)}
+        state = self.page_of(entry)
+        unanswered = state.unanswered_besides()
+        if message.strip() and unanswered >= MAX_UNANSWERED:
+            return message, {"refused": unanswered}, gr.skip()
+        ticket = entry.chat_stop.ticket()
+        submitted = {"message": message, "ticket": ticket, "sent": state.send(message)}  # (the box empties)
         if not message.strip():
             return "", submitted, gr.skip()
-        entry.waiting[submitted["sent"]] = message
-        entry.unanswered.add(submitted["sent"])
         return "", submitted, [*(chat or []), *waiting_messages(message)]
 
     def ticket(self, request: gr.Request) -> int:
@@ -169,9 +183,9 @@ class ChatService(Service, ApiHandlers, BatchTab):
                        "when one is answered")
             yield (gr.skip(),) * 9
             return
-        for output in self.chat(submitted.get("message", ""), use_cache, max_length, max_new_tokens, max_turns,
-                                temperature, tools, prompt, request, seed, submitted.get("ticket"),
-                                submitted.get("sent"), guide):
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        for output in self._turn(submitted.get("message", ""), page, request, submitted.get("ticket"),
+                                 submitted.get("sent")):
             if output[2] == "running":
                 yield (*output, gr.skip(), gr.skip(), gr.skip())
             else:
@@ -181,22 +195,23 @@ class ChatService(Service, ApiHandlers, BatchTab):
                 request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
         """The question with the cache on and off, on forks of the visitor's session (an empty box: the chat's last
         turn again, from where it was asked). Yields (result markdown, status, completion marker)."""
-        yield from self._compare("cache", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
-                                 temperature, tools, prompt, seed, guide)
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        yield from self._compare("cache", message, page, request, ticket)
 
     def compare_guide(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
                       prompt, request: gr.Request, seed=0, guide: bool | None = None,
                       ticket: int | None = None) -> Iterator[tuple]:
         """compare() with the guide on and off instead (`guide`, the checkbox, is what the runs vary), the cache as
         set: what the guide chose, and what the model writes alone."""
-        yield from self._compare("guide", message, request, ticket, use_cache, max_length, max_new_tokens, max_turns,
-                                 temperature, tools, prompt, seed, guide)
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        yield from self._compare("guide", message, page, request, ticket)
 
-    def _compare(self, what: str, message: str, request: gr.Request, ticket: int | None, *page) -> Iterator[tuple]:
-        """compare() (`what` "cache") or compare_guide() ("guide") on the page's settings `page`."""
+    def _compare(self, what: str, message: str, page: PageSettings, request: gr.Request,
+                 ticket: int | None) -> Iterator[tuple]:
+        """compare() (`what` "cache") or compare_guide() ("guide") on the page's settings."""
         entry = self.store.get(request.session_hash)
-        cancel, mine = entry.chat_stop.begin(ticket), object()
-        entry.comparing.add(mine)
+        state = self.page_of(entry)
+        cancel, mine = entry.chat_stop.begin(ticket), state.compare_started()
         try:
             yield gr.skip(), f"running: compare ({what} on, then off)", gr.skip()
             question = (message or "").strip()
@@ -206,10 +221,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
                 if not last:
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
                 question = last
-            use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide = page
-            engine, settings = self._page_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
-                                                   tools, seed, guide)
-            prompt = clean_prompt(prompt)
+            engine, settings = self._page_settings(page)
+            prompt = page.prompt_template()
             session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
@@ -220,14 +233,15 @@ class ChatService(Service, ApiHandlers, BatchTab):
             # than the cached one; the guide's runs copy the session's cache)
             with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
                 result = run(engine, session, question, settings, cancel=cancel, turns=turns)
-            entry.comparing.discard(mine)
-            shown, status = render(result), done_status(len(entry.unanswered), len(entry.comparing), result.stopped)
-            yield shown, status, finished_marker(entry.chat_finished.bump())
+            state.compare_ended(mine)
+            shown, status = render(result), done_status(state.unanswered_besides(), len(state.comparing),
+                                                        result.stopped)
+            yield shown, status, finished_marker(state.chat_finished.bump())
         except Exception as error:  # handler boundary
             status = failure_status(error, "compare", request.session_hash)
-            yield gr.skip(), status, finished_marker(entry.chat_finished.bump())
+            yield gr.skip(), status, finished_marker(state.chat_finished.bump())
         finally:
-            entry.comparing.discard(mine)
+            state.compare_ended(mine)
 
     def stop(self, request: gr.Request) -> None:
         """The Chat tab's Stop: the running turn or Compare, and every one submitted before it."""
@@ -237,7 +251,9 @@ class ChatService(Service, ApiHandlers, BatchTab):
         """An empty chat, but for messages already sent and waiting (they are answered in the new chat, so they
         show there at once); the box keeps what is typed."""
         entry = self.store.reset(request.session_hash)
-        return (chat_messages([], waiting=list(entry.waiting.values())), gr.skip(), "new chat", [],
+        state = self.page_of(entry)
+        state.new_chat()
+        return (chat_messages([], waiting=state.waiting_messages()), gr.skip(), "new chat", [],
                 self.stats(entry.session))
 
     def refresh(self, request: gr.Request) -> tuple:
@@ -246,7 +262,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
         frees the session."""
         entry = self.store.get(request.session_hash)
         session = entry.session
-        chat = chat_messages(session.episodes if session else [], entry.notes)
+        chat = chat_messages(session.episodes if session else [], self.page_of(entry).notes)
         return chat, self.token_view(session), self.stats(session), self.max_length_field()
 
     def max_length_field(self):

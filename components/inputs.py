@@ -4,6 +4,8 @@ functions, no Gradio, so every rule about what a visitor may send is tested with
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from app.settings import InputError, Settings
 from app.tools import default_tools
@@ -64,6 +66,34 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
         temperature=number("temperature", temperature, float),
         seed=number("seed", seed, int),
     )
+
+
+@dataclass(frozen=True)
+class PageSettings:
+    """The page's settings controls as it sends them, in the order its inputs list them (components/layout.py),
+    built once per event from the handler's arguments; checked when read (settings, prompt_template)."""
+
+    use_cache: bool
+    max_length: float | None  # (numbers as the fields send them: floats, or None where a field is empty)
+    max_new_tokens: float | None
+    max_turns: float | None
+    temperature: float | None
+    tools: Sequence[str] | None
+    prompt: str | None = None
+    seed: float | None = 0
+    guide: bool | None = None  # None: the default
+
+    def settings(self) -> Settings:
+        """The engine Settings, or a clear InputError (make_settings)."""
+        return make_settings(self.use_cache, self.max_length, self.max_new_tokens, self.max_turns, self.temperature,
+                             self.seed, self.guide)
+
+    def tool_list(self) -> list[str]:
+        return list(self.tools or [])
+
+    def prompt_template(self) -> str:
+        """The system prompt template, or a clear InputError (clean_prompt)."""
+        return clean_prompt(self.prompt)
 
 
 def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None, str | None]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gradio as gr
 
 from app.backends import concurrent_turns
@@ -10,7 +12,7 @@ from app.paths import ASSETS
 from app.serving import closes_elsewhere
 from components.batch import MAX_BATCH, empty_frame
 from components.handlers import ChatService
-from components.inputs import DEFAULTS, tool_names
+from components.inputs import DEFAULTS, PageSettings, tool_names
 from components.status import finished_marker
 from components.timing import COLOR_MAP as TIMING_COLORS
 from components.timing import prefill_frame, time_frame, timing_summary
@@ -139,7 +141,11 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # tickets of Compare and Batch (hidden: their values travel with each queued event)
         submitted = gr.JSON(visible=False)
         compare_ticket, batch_ticket = gr.Number(visible=False), gr.Number(visible=False)
-        settings_inputs = [use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide]
+        # the settings controls in PageSettings' order, which the handlers' parameters follow
+        controls = dict(use_cache=use_cache, max_length=max_length, max_new_tokens=max_new_tokens,
+                        max_turns=max_turns, temperature=temperature, tools=tools, prompt=prompt, seed=seed,
+                        guide=guide)
+        settings_inputs = [controls[field.name] for field in dataclasses.fields(PageSettings)]
         turn_inputs = [msg, *settings_inputs]
         charts_outputs = [timing, timing_ms, timing_text]
         turn_outputs = [chat, msg, status, tokens, stats, turn_marker, *charts_outputs]

@@ -24,7 +24,7 @@ def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ende
 
 def finished_marker(count: int) -> str:
     """A completion marker's HTML: an empty span whose data-finished is how many pieces of work of its lane the
-    visitor has finished (app.sessions.Finished). It shows nothing; the browser tests read it."""
+    visitor has finished (components.page_state.Finished). It shows nothing; the browser tests read it."""
     return f'<span data-finished="{int(count)}"></span>'
 
 

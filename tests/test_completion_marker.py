@@ -74,7 +74,7 @@ def test_every_finished_turn_bumps_the_marker_once_with_its_final_status(tiny_ll
     assert stopped == [[("stopped: the message was not sent", 4)], [("stopped: 2 messages were not sent", 5)]]
     # another visitor counts their own
     assert [count for _, count in ends(page_turn(service, sent(service, "hi", "page-2"), "page-2"), 2, 5)] == [1]
-    assert service.store.peek("page-1").chat_finished.count == 5
+    assert service.page_state("page-1").chat_finished.count == 5
 
 
 def test_a_turn_new_chat_ended_and_a_turn_stopped_while_running_count_once_each(tiny_llama):
@@ -104,7 +104,7 @@ def test_compare_counts_with_the_chat_and_batch_counts_apart(tiny_llama):
     assert ends(batch, 2, 4) == [("done", 1)] and finished(batch[-1][4]) == 1
     ((status, count),) = ends(list(service.batch("", *PAGE, default_prompt_template(), request())), 2, 4)
     assert status.startswith("error: no questions") and count == 2
-    assert service.store.peek("page-1").chat_finished.count == 4  # (the batch lane's runs are not the chat's)
+    assert service.page_state("page-1").chat_finished.count == 4  # (the batch lane's runs are not the chat's)
     assert ends(page_turn(service, sent(service, "more")), 2, 5)[0][1] == 5
 
 

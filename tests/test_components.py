@@ -27,7 +27,7 @@ from components.chat import (WAITING, waiting_messages, chat_messages, code, esc
                              pending_model_message, stop_text, tool_message)
 from components import inputs
 from components.handlers import ChatService
-from components.inputs import make_settings, settings_from_dict
+from components.inputs import PageSettings, make_settings, settings_from_dict
 from components.stats import stats_markdown
 from components.tokens import COLOR_MAP, guided_spans, token_counts, token_spans, token_summary
 from tests.conftest import forced, plan_text, writing
@@ -440,14 +440,14 @@ def test_the_pages_untouched_max_length_fits_a_shorter_context_and_a_typed_one_i
     value typed above the context is refused as before."""
     service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     assert service.refresh(request("early"))[3] == gr.skip()  # (the backend not loaded: the field as built)
-    engine, settings = service._page_settings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"])
+    engine, settings = service._page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"]))
     assert engine.context_limit == 1024 and settings.max_length == 1024
     *_, (chat, _, status, *_) = turn(service, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2,
                                        max_turns=0)
     assert plain(status) == "done" and chat[0]["content"] == "hi"
     *_, (_, textbox, status, *_) = turn(service, "hi", max_length=4096, max_new_tokens=2, max_turns=0)
     assert status == "error: max_length must be between 1 and 1024" and textbox == "hi"
-    assert service._page_settings(True, 1000, 8, 0, 0, [])[1].max_length == 1000  # (typed, and it fits)
+    assert service._page_settings(PageSettings(True, 1000, 8, 0, 0, []))[1].max_length == 1000  # (typed, and it fits)
     field = service.refresh(request("later"))[3]
     assert isinstance(field, gr.Number) and field.value == 1024 and "at most 1,024 tokens" in field.info
 
@@ -456,7 +456,7 @@ def test_the_pages_field_is_left_as_built_where_the_context_holds_its_default(ti
     service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     service.warm_up()
     assert service.refresh(request())[3] == gr.skip()
-    assert service._page_settings(True, inputs.DEFAULTS.max_length, 8, 0, 0, [])[1].max_length == 2048
+    assert service._page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, []))[1].max_length == 2048
 
 
 def test_the_apis_max_length_not_given_fits_a_shorter_context_and_a_given_one_is_checked(short_llama):
@@ -663,7 +663,7 @@ def test_api_chat_rejects_an_empty_message_before_switching_tools(tiny_llama, ca
     with pytest.raises(gr.Error, match="empty"):
         list(service.api_chat("   ", {"tools": ["Calculator"]}, request("client")))
     entry = service.store.peek("client")
-    assert entry.session is session and len(session.episodes) == 1 and entry.notes == []
+    assert entry.session is session and len(session.episodes) == 1 and service.page_state("client").notes == []
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 0.001, float("nan"), float("inf"), -0.5])
@@ -706,7 +706,7 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     chat, _, status, *_ = page_turn(service, submitted)
     assert plain(status) == "done" and "stopped by user" not in chat[-1]["content"]
     queued = [service.submit(text, chat, request())[1] for text in ("second", "third")]
-    assert list(service.store.peek("page-1").waiting.values()) == ["second", "third"]
+    assert list(service.page_state("page-1").waiting.values()) == ["second", "third"]
     service.stop(request())  # pressed while both wait in the queue
     episodes = len(service.store.peek("page-1").session.episodes)
     for kept, payload in enumerate(queued, start=1):
@@ -715,7 +715,7 @@ def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
         assert box == "\n".join(p["message"] for p in queued[:kept])
         assert status == ("stopped: the message was not sent" if kept == 1 else "stopped: 2 messages were not sent")
     assert len(service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
-    assert not service.store.peek("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
+    assert not service.page_state("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
     chat, _, status, *_ = page_turn(service, service.submit("after the stop", chat, request())[1], max_new_tokens=3)
     assert plain(status) == "done" and chat[-2]["content"] == "after the stop"
     chat, _, status, *_ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
@@ -747,7 +747,8 @@ def test_api_takes_a_custom_system_prompt(tiny_llama):
     entry = service.store.peek("client")
     assert service.decode(entry.session.cache.ids).startswith("You are Custom Bot.\n- Calculator:")
     list(service.api_chat("again", values, request("client")))  # back to the default prompt: a new chat
-    assert entry.notes == ["System prompt changed: started a new chat."] and len(entry.session.episodes) == 1
+    assert service.page_state("client").notes == ["System prompt changed: started a new chat."]
+    assert len(entry.session.episodes) == 1
 
 
 def test_api_user_mistakes_leave_no_traceback_in_the_log(tiny_llama, caplog):
@@ -768,7 +769,7 @@ def test_a_turn_that_ends_while_the_next_one_already_runs_does_not_say_done(tiny
                               ["Calculator", "Search"], default_prompt_template(), request())
     next(first)
     _, second, _ = service.submit("second", [], request())
-    service.store.get(request().session_hash).waiting.pop(second["sent"])  # as when its turn has started
+    service.page_state("page-1").started(second["sent"])  # as when its turn has started
     assert plain(list(first)[-1][2]) == "done · 1 more message to answer"
     assert plain(list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
                                         default_prompt_template(), request()))[-1][2]) == "done"
@@ -808,10 +809,10 @@ def test_a_message_a_new_chat_has_no_room_for_leaves_the_chat_as_it_was(tiny_lla
     chat, box, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_length=prompt_only + 3)[-1]
     assert status.startswith("error: the context is full") and status.endswith("shorten the system prompt or raise "
                                                                                "max_length")
-    assert box == "What is 2 + 2?" and entry.session is kept and not entry.notes
+    assert box == "What is 2 + 2?" and entry.session is kept and not service.page_state("page-1").notes
     assert "41" in chat[0]["content"]  # the chat is still there (its question, markdown-escaped)
     chat, _, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_new_tokens=3)[-1]
-    assert plain(status) == "done" and entry.notes == [
+    assert plain(status) == "done" and service.page_state("page-1").notes == [
         "Tools changed (now: Calculator), so the system prompt changed: started a new chat."]
 
 
@@ -828,7 +829,7 @@ def test_a_visitor_with_three_messages_unanswered_keeps_the_next_in_the_box(tiny
     with pytest.warns(UserWarning, match="not sent: 3 messages are waiting"):
         assert list(service.chat_page(refused, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(),
                                       request())) == [(gr.skip(),) * 9]
-    entry = service.store.peek("page-1")
+    entry = service.page_state("page-1")
     assert sorted(entry.waiting.values()) == [f"message {n}" for n in range(MAX_UNANSWERED)]
     list(service.chat_page(sent[0], True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request()))
     assert service.submit("one more", [], request())[0] == ""  # one answered: room again
@@ -842,7 +843,7 @@ def test_a_turn_closed_at_its_first_update_lets_go_of_its_message(tiny_llama):
     turn = service.chat_page(submitted, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request())
     next(turn)
     turn.close()
-    entry = service.store.peek("page-1")
+    entry = service.page_state("page-1")
     assert not entry.waiting and not entry.unanswered
 
 

@@ -330,10 +330,9 @@ def test_reset_clears_the_chat_but_keeps_the_entry():
     filled(store, {"a": 10})
     entry = store.peek("a")
     batch = entry.batch_stop.begin(None)
-    entry.notes.append("note")
     entry.engine_key = ("Calculator",)
     assert store.reset("a") is entry
-    assert entry.session is None and entry.engine_key is None and entry.notes == []
+    assert entry.session is None and entry.engine_key is None
     assert not batch.is_set()  # a batch running for this visitor goes on
 
 

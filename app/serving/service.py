@@ -5,6 +5,7 @@ The page's Gradio session hash keys the store; no visitor's state lives in globa
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
     from app.model.loading import LoadedModel
 
 WARM_UP_QUESTION = "What is 1 + 1?"  # (warm_up: a turn that calls a tool, on a session nobody sees)
+
+
+class ChatChange(enum.Enum):
+    """What Service.prepare did to an entry's chat, for the page to say in words (components/page_state.py)."""
+
+    KEPT = "kept"  # the entry's session was started with this tool set and prompt: the chat goes on
+    STARTED = "started"  # a new session where there was none, or only one without a turn
+    TOOLS_CHANGED = "tools changed"  # a new session in place of a chat with turns: another tool set
+    PROMPT_CHANGED = "prompt changed"  # a new session in place of a chat with turns: the same tools, another prompt
 
 
 class Service:
@@ -78,31 +88,27 @@ class Service:
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def prepare(self, entry: Entry, engine: Engine, settings: Settings, prompt: str | None = None,
-                message: str | None = None) -> Session:
-        """The entry's session for this engine and prompt template (None: the default one): created when
-        missing; a different tool set or prompt starts a new chat, with a note. A new session that cannot take
-        `message` (a prompt too long for max_length) raises before it replaces the chat, so a rejected message
+                message: str | None = None) -> tuple[Session, ChatChange]:
+        """The entry's session for this engine and prompt template (None: the default one), and what happened to
+        its chat: created when missing; a different tool set or prompt starts a new chat. A new session that cannot
+        take `message` (a prompt too long for max_length) raises before it replaces the chat, so a rejected message
         leaves the old chat as it was."""
         key = tuple(engine.tools)
         prompt = default_prompt_template() if prompt is None else prompt
         current = self.matching_session(entry, engine, prompt)
         if current is not None:
-            return current
+            return current, ChatChange.KEPT
         old = entry.session
         # the new session first: a prompt the engine rejects (e.g. too long) leaves the chat as it was
         session = engine.new_session(prompt=prompt, use_cache=settings.use_cache, seed=settings.seed)
         if message is not None:
             engine.query_ids(session, message, settings)  # (room for the message, before the chat is replaced)
-        if old is not None and old.episodes:
-            if entry.engine_key != key:
-                listed = ", ".join(key) or "none"
-                entry.notes = [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
-            else:
-                entry.notes = ["System prompt changed: started a new chat."]
+        if old is None or not old.episodes:
+            change = ChatChange.STARTED
         else:
-            entry.notes = []  # (a note about a chat that has since been replaced unanswered is not this one's)
+            change = ChatChange.TOOLS_CHANGED if entry.engine_key != key else ChatChange.PROMPT_CHANGED
         entry.session, entry.engine_key, entry.prompt = session, key, prompt
-        return session
+        return session, change
 
     def matching_session(self, entry: Entry, engine: Engine, prompt: str) -> Session | None:
         """The entry's session if it was started with this tool set and prompt (else None)."""

@@ -1,8 +1,8 @@
 """Server-side store of chat sessions, keyed by the web session id (e.g. Gradio's session hash).
 
-No Gradio imports: the page hands in a key string. Each entry holds an engine Session (token ids, history,
-KV cache), the key of the engine that owns it (its tool set), its prompt template, a StopSignal per Stop button, a
-count of finished work per lane (the page's completion markers), and notes to show above the chat. Memory is
+No Gradio imports: the page hands in a key string. Each entry holds what serving owns: an engine Session (token
+ids, history, KV cache), the key of the engine that owns it (its tool set), its prompt template, a StopSignal per
+Stop button and when it was last used; the page keeps its own record beside it (components/page_state.py). Memory is
 bounded by a byte budget over the KV caches: when the total goes over, the least recently used sessions lose their
 KV (`cache.drop_kv()`, ids and history are kept; their next turn recomputes); KV held outside the sessions (the
 shared prefilled prompts) counts too. Idle sessions are deleted after a timeout (by a sweeper thread and on every
@@ -94,41 +94,16 @@ class StopSignal:
         return event
 
 
-@dataclass
-class Finished:
-    """How many pieces of work of one lane (the Chat tab's turns and Compares, or the Batch tab's runs) a visitor has
-    finished, for the page's completion marker: each bumps it once, with its final status."""
-
-    count: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def bump(self) -> int:
-        """Count one more finished piece of work; the new count."""
-        with self._lock:  # (a turn and a Compare of the same visitor may end at once)
-            self.count += 1
-            return self.count
-
-
-@dataclass
+@dataclass(eq=False)
 class Entry:
-    """One visitor's chat: the engine session (None until the first turn) and what belongs with it."""
+    """One visitor's chat: the engine session (None until the first turn) and what serving needs with it. Compared
+    and hashed by identity, so the page can key its own record by the entry (it goes when the entry goes)."""
 
     session: Session | None = None
     engine_key: tuple[str, ...] | None = None  # the tool set the session's system prompt lists
     prompt: str | None = None  # the prompt template the session started from (None: the engine's default)
     chat_stop: StopSignal = field(default_factory=StopSignal)  # the Chat tab's Stop: chat turns and Compare
     batch_stop: StopSignal = field(default_factory=StopSignal)  # the Batch tab's Stop
-    chat_finished: Finished = field(default_factory=Finished)  # chat turns and Compares that have ended
-    batch_finished: Finished = field(default_factory=Finished)  # Batch runs that have ended
-    notes: list[str] = field(default_factory=list)  # shown above the chat (e.g. "tools changed: new chat")
-    waiting: dict[int, str] = field(default_factory=dict)  # sent messages whose turn has not started, by number
-    unanswered: set[int] = field(default_factory=set)  # sent messages whose turn has not ended (waiting or running)
-    unsent: list[str] = field(default_factory=list)  # waiting messages a Stop put back in the box, since the last send
-    comparing: set[object] = field(default_factory=set)  # Compare runs under way (they share the turns' status line)
-    sent: Iterator[int] = field(default_factory=itertools.count)  # numbers them
-    # one chat turn's handler at a time, start to last update: each turn's final status ("done · 1 more message
-    # to answer") reaches the page before the next turn's updates, never after them
-    turn_order: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_used: float = field(default_factory=time.monotonic)
 
     def stop_everything(self) -> None:
@@ -226,7 +201,7 @@ class SessionStore:
         still running sees that its session was replaced and stops at its next token; a batch or compare the
         visitor runs meanwhile goes on (it does not use the chat)."""
         entry = self.get(key)
-        entry.session, entry.engine_key, entry.prompt, entry.notes = None, None, None, []
+        entry.session, entry.engine_key, entry.prompt = None, None, None
         return entry
 
     def remove(self, key: str) -> bool:
