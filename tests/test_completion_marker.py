@@ -15,7 +15,7 @@ from app.engine.prompt import default_prompt_template
 from app.serving.sessions import MB, SessionStore
 from components.handlers import ChatService
 from components.status import finished_marker
-from tests.test_components import make_service, plain, request
+from tests.support.page import make_service, plain, request
 
 TOOLS = ["Calculator", "Search"]
 PAGE = (True, 4096, 3, 4, 0, TOOLS)  # use_cache, max_length, max_new_tokens, max_turns, temperature, tools
@@ -23,7 +23,7 @@ PAGE = (True, 4096, 3, 4, 0, TOOLS)  # use_cache, max_length, max_new_tokens, ma
 
 @pytest.fixture(autouse=True)
 def one_token_per_pass(monkeypatch):
-    """As in tests/test_components.py: one planned token per forward pass, the guide off."""
+    """As in tests/support/page.py: one planned token per forward pass, the guide off."""
     from components import inputs
 
     monkeypatch.setattr(inputs, "DEFAULTS", dataclasses.replace(inputs.DEFAULTS, draft_tokens=0, guide=False))

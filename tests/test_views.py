@@ -23,8 +23,8 @@ from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summa
 from components.compare import compare_markdown, guide_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from tests.conftest import plan_text
-from tests.test_components import (ALONE, CLAIMED, calculator_episode, make_service, plain, request, turn,
-                                   writing_service)
+from tests.support.page import (ALONE, CLAIMED, calculator_episode, make_service, plain, request, turn,
+                                writing_service)
 
 CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
 SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
