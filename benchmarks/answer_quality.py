@@ -38,6 +38,7 @@ from app.decoding.stops import StopReason  # noqa: E402
 from app.engine.rewards import builtin_questions, exact_match, submitted  # noqa: E402
 from app.engine.turns import Engine  # noqa: E402
 from app.episode import Episode
+from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
 from app.settings import Settings
@@ -277,7 +278,7 @@ def main() -> int:
     for where in args.backend:
         if where == "local":
             for weights in args.weights:
-                loaded = load_model(weights=weights)
+                loaded = LocalBackend(load_model(weights=weights))
                 for guide in guides:
                     runs[label(weights, guide)] = measure(Engine(loaded, prompt=prompt), guide, args)
                 loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.backends import BackendError, load_backend
+from app.backends.local import LocalBackend
 from app.backends.llama_server import LlamaServer
 from app.engine.turns import Engine
 from app.model import loading
@@ -45,7 +46,7 @@ def test_a_local_folder_from_model_id_loads_and_answers(tmp_path, monkeypatch, t
     monkeypatch.delenv("GGUF_FILE", raising=False)
     loaded = load_model()
     assert loaded.name == str(tmp_path) and type(loaded.model) is type(tiny.model)
-    engine = Engine(loaded, prompt="{tools}\n\n")
+    engine = Engine(LocalBackend(loaded), prompt="{tools}\n\n")
     episode = engine.ask(engine.new_session(), "hello", Settings(max_new_tokens=4))
     assert episode.segments[0].generated_tokens >= 1
 
