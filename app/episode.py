@@ -1,4 +1,5 @@
-"""The records of a turn: segments (model or tool), the episode that holds them, and the events a turn yields.
+"""The records of a turn: why a segment stopped, segments (model or tool), the episode that holds them, and the events
+a turn yields.
 
 Plain data, serialized the same way everywhere (the CLI's JSON, the API, the page's views).
 """
@@ -10,7 +11,43 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.decoding.stops import Stop, StopReason
+class StopReason(str, enum.Enum):
+    STRING_MATCH = "string_match"
+    EOS = "eos"
+    MAX_LENGTH = "max_length"
+    REPETITION = "repetition"  # the last tokens were one span written three times over: a loop, not an answer
+    CANCELLED = "cancelled"  # the user stopped it (or the stream was closed)
+    ERROR = "error"  # the model raised; the session was rolled back to its last consistent state
+
+
+class Limit(str, enum.Enum):
+    MAX_NEW_TOKENS = "max_new_tokens"  # this segment's budget
+    MAX_LENGTH = "max_length"  # the whole session's token budget
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: StopReason
+    string: str | None = None
+    limit: Limit | None = None
+
+    @property
+    def shown_string(self) -> str | None:
+        """The stop string as a view prints it: a newline in it as `\\n` (`\\nQ:`)."""
+        return None if self.string is None else self.string.replace("\n", "\\n")
+
+    @property
+    def label(self) -> str:
+        """The stop reason in the words every view uses: `string match <call>`, `EOS`, `max_length (...)`."""
+        if self.reason is StopReason.STRING_MATCH:
+            return f"string match {self.shown_string}"
+        if self.reason is StopReason.EOS:
+            return "EOS"
+        if self.reason is StopReason.MAX_LENGTH:
+            return "max_length (max_new_tokens)" if self.limit is Limit.MAX_NEW_TOKENS else "max_length (session max_length)"
+        if self.reason is StopReason.REPETITION:
+            return "repetition"
+        return "stopped by user" if self.reason is StopReason.CANCELLED else "error"
 
 
 class Provenance(str, enum.Enum):

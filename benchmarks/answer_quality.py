@@ -17,8 +17,8 @@ and arithmetic and chit-chat questions of its own, written before any run) is th
 that no reported question, look-up, arithmetic or greeting, is tuned on.
 
 `--backend server` starts llama.cpp's own server on the bundled GGUF (Q4_1) the way the tests do
-(app.backends.llama_server; built by scripts/build_llama_server.sh) and asks it through the app's server backend, with the
-same prompt, settings and guide (the guide's grammar goes with each request).
+(tests/support/llama_server.py; built by scripts/build_llama_server.sh) and asks it through the app's server
+backend, with the same prompt, settings and guide (the guide's grammar goes with each request).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from app.decoding.stops import StopReason  # noqa: E402
 from app.engine.rewards import builtin_questions, exact_match, submitted  # noqa: E402
 from app.engine.turns import Engine  # noqa: E402
 from app.episode import Episode
+from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402
 from app.protocol import SUBMIT  # noqa: E402
 from app.settings import Settings
@@ -277,7 +278,7 @@ def main() -> int:
     for where in args.backend:
         if where == "local":
             for weights in args.weights:
-                loaded = load_model(weights=weights)
+                loaded = LocalBackend(load_model(weights=weights))
                 for guide in guides:
                     runs[label(weights, guide)] = measure(Engine(loaded, prompt=prompt), guide, args)
                 loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads

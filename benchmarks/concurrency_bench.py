@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine.turns import Engine  # noqa: E402
 from app.episode import TextDelta
+from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.settings import Settings
 from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)
@@ -83,7 +84,7 @@ def main() -> int:
     settings = replace(PAGE, guide=not args.no_guide)
     if args.repeat < 1 or 1 not in args.chats:
         parser.error("--repeat must be at least 1, and --chats must hold 1 (the baseline)")
-    engine = Engine(load_model())
+    engine = Engine(LocalBackend(load_model()))
     engine.ask(engine.new_session(), "What is 1 + 1?", settings)  # warm up: the shared prompt cache, first passes
     gc.freeze()  # as app.py does once warm: what lives as long as the process stays out of the collector's scans
     alone: list = []  # every chat by itself, for its own turn times
@@ -121,7 +122,7 @@ def main() -> int:
         same = same and all(a.token_ids == b.token_ids for a, b in zip(one_by_one, batched))
     print(f"\nEngine.run, 8 questions: one after another {median(sequential):.2f} s, as one batch "
           f"{median(together):.2f} s ({median(sequential) / median(together):.2f}× faster); same tokens: {same}")
-    stats = engine.loaded.scheduler.stats
+    stats = engine.backend.scheduler.stats
     print(f"scheduler: {stats.steps} steps, mean {stats.rows / max(1, stats.steps):.2f} rows a step, "
           f"peak {stats.peak_rows}")
     if args.chart:

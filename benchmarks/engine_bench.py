@@ -24,6 +24,7 @@ from app.decoding.stops import Detokenizer  # noqa: E402
 from app.engine.prompt import default_prompt_template
 from app.engine.turns import Engine  # noqa: E402
 from app.episode import TextDelta
+from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.protocol import STOP_STRINGS  # noqa: E402
 from app.settings import Settings
@@ -72,10 +73,9 @@ class TimedModel(torch.nn.Module):
 
 def engine_with_timer(loaded, prompt: str) -> tuple[Engine, TimedModel]:
     import dataclasses
-    import threading
 
     timed = TimedModel(loaded.model)
-    return Engine(dataclasses.replace(loaded, model=timed, lock=threading.RLock()), prompt=prompt), timed
+    return Engine(LocalBackend(dataclasses.replace(loaded.loaded, model=timed)), prompt=prompt), timed
 
 
 def episode_runs(loaded, prompt: str) -> dict:
@@ -175,7 +175,7 @@ def stop_check_cost(loaded, engine: Engine, ids: list[int]) -> float:
     """Seconds per token of the stop checker plus the incremental detokenizer, over real generated tokens."""
     tokens = (ids * (2000 // max(1, len(ids)) + 1))[:2000]
     began = time.perf_counter()
-    stops, detok = engine.stops.start(), Detokenizer(loaded.tokenizer)
+    stops, detok = engine.backend.stops.start(), Detokenizer(loaded.tokenizer)
     for n, token in enumerate(tokens, 1):
         stops.check(token, detok.push(token), n, 10**9, n, 10**9)
     return (time.perf_counter() - began) / len(tokens)
@@ -198,7 +198,7 @@ def model_ready() -> tuple[float, float, float]:
 
 def main() -> None:
     os.environ["MODEL_THREADS"] = "2"  # the scheduler's thread (app.threads)
-    loaded = load_model()
+    loaded = LocalBackend(load_model())
     prompt = default_prompt_template().replace("Q: Hello, who are you?", MULTI_CALL + "Q: Hello, who are you?")
     engine = Engine(loaded, prompt=prompt)
     prompt_tokens = engine.new_session(use_cache=False).prompt_tokens

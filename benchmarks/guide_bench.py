@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from app.decoding.guide import build_guide  # noqa: E402
 from app.model.kvcache import new_kv  # noqa: E402
+from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.model.ragged import Row, ragged_forward  # noqa: E402
 from app.protocol import encode  # noqa: E402
@@ -51,7 +52,7 @@ def guide_us_per_token(loaded, runs: int) -> float:
         for guide, text in SEGMENTS:
             matcher = vocab.matcher(guide.grammar)
             for token in encode(tokenizer, text):
-                matcher.greedy(logits)  # (greedy, the page's setting: app.backends.local.LocalBackend._choose)
+                matcher.greedy(logits)  # (greedy, the page's setting: app.decoding.choose)
                 matcher.consume([token])
                 if matcher.done:
                     break
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--weights", default=None, help="int8 or float32 (default: the app's)")
     args = parser.parse_args()
-    loaded = load_model(weights=args.weights)
+    loaded = LocalBackend(load_model(weights=args.weights))
     loaded.guide_vocab  # (built once per model, at the first guided segment)
     guide = guide_us_per_token(loaded, args.runs)
     step = step_ms(loaded, args.runs)

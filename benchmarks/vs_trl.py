@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 import workload  # noqa: E402
 from app.engine.turns import Engine  # noqa: E402
+from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import BUNDLED_GGUF, bundled_model_dir, load_model  # noqa: E402
 from app.settings import Settings
 from app.tools.registry import get_tools  # noqa: E402
@@ -50,7 +51,7 @@ def episode_text(episode) -> str:
 
 def run_ours(weights: str, use_cache: bool, draft_tokens: int) -> dict:
     """Per-episode and batch runs on this project's engine (the shared prompt cache is built once, timed apart)."""
-    loaded = load_model(weights=weights)
+    loaded = LocalBackend(load_model(weights=weights))
     try:
         return run_engine(Engine(loaded, tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt()),
                           use_cache, draft_tokens)

@@ -62,14 +62,12 @@ class ApiHandlers:
         """The server's load, for monitoring: sessions, their KV against the budget, and how many rows the
         in-process scheduler batches into a step."""
         store = self.store.stats(self.shared_kv_bytes())
-        backend = self._backend
+        backend = self.backend_stats()
         out = {"sessions": store.sessions, "kv_mb": round(store.kv_bytes / MB, 2),
                "shared_kv_mb": round(store.shared_bytes / MB, 2), "budget_mb": round(store.budget_bytes / MB, 2)}
-        scheduler = getattr(getattr(backend, "loaded", None), "scheduler", None)
-        if scheduler is not None:
-            stats = scheduler.stats
-            out["scheduler"] = {"steps": stats.steps, "mean_rows": round(stats.rows / max(1, stats.steps), 2),
-                                "peak_rows": stats.peak_rows}
+        if backend is not None and backend.steps is not None:
+            out["scheduler"] = {"steps": backend.steps, "mean_rows": round(backend.rows / max(1, backend.steps), 2),
+                                "peak_rows": backend.peak_rows}
         return out
 
     def api_chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:

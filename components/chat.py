@@ -11,8 +11,7 @@ from __future__ import annotations
 import html
 import re
 
-from app.decoding import Stop, StopReason
-from app.episode import Episode, Segment
+from app.episode import Episode, Segment, Stop, StopReason
 from app.protocol import SUBMIT
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~$])")

@@ -54,9 +54,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
         return token_spans(session.cache.ids, guided_spans(session.spans(), segments), self.decode)
 
     def stats(self, session: Session | None) -> str:
-        backend = self._backend  # read once, never loaded here: the page shows stats before the first turn
-        return stats_markdown(session, self.store.stats(self.shared_kv_bytes()), backend.name if backend else None,
-                              kv_on_server=self.kv_on_server(backend))
+        return stats_markdown(session, self.store.stats(self.shared_kv_bytes()), self.backend_stats())
 
 
     # ---- page events ----------------------------------------------------------------------------------------
@@ -269,7 +267,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
         """The max_length field for a backend whose context is shorter than the page's default: that context, and
         why. Else, or before the backend has loaded (never loaded here), the field as built: a turn sent with the
         page's default gets the backend's (make_settings)."""
-        backend = self._backend
+        backend = self.loaded_backend()
         if backend is None or max_length_for(backend.context_limit) == DEFAULTS.max_length:
             return gr.skip()
         return gr.Number(value=max_length_for(backend.context_limit),

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from app.backends import BackendStats
 from app.engine import Session
 from app.serving import MB, StoreStats
 
 
-def stats_markdown(session: Session | None, store: StoreStats, backend: str | None = None,
-                   kv_on_server: bool = False) -> str:
-    """`backend`: its name (None before the model is loaded); `kv_on_server`: keys/values live on a model server,
-    so this process holds none and the per-chat KV figures would say nothing."""
+def stats_markdown(session: Session | None, store: StoreStats, backend: BackendStats | None = None) -> str:
+    """`backend`: None before the model is loaded. Where the keys/values live on a model server, this process holds
+    none and the per-chat KV figures would say nothing."""
     if session is None:
         mine = "This chat: no tokens yet"
-    elif kv_on_server:
+    elif backend is not None and not backend.kv_in_process:
         mine = (f"This chat: {len(session.cache)} tokens (their keys/values live on the model server), "
                 f"{counted(len(session.episodes), 'turn')}")
     else:
@@ -23,7 +23,7 @@ def stats_markdown(session: Session | None, store: StoreStats, backend: str | No
     server = (f"Server: {counted(store.sessions, 'session')}, "
               f"{store.kv_bytes / MB:.1f} MB of KV + {store.shared_bytes / MB:.1f} MB of shared prompts "
               f"(budget {store.budget_bytes / MB:.0f} MB)")
-    model = f"Model: {backend}  \n" if backend else ""
+    model = f"Model: {backend.name}" + (f" · {backend.runs}" if backend.runs else "") + "  \n" if backend else ""
     return f"{model}{mine}  \n{server}"
 
 

@@ -5,12 +5,12 @@ The run ends with one line counting its skips by reason (pytest_terminal_summary
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections import Counter
 
 import pytest
 import torch
 
+from app.backends.local import LocalBackend
 from app.model.loading import LoadedModel, load_model, load_tokenizer, wrap
 from app.protocol import encode
 
@@ -46,11 +46,11 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def real() -> LoadedModel:
-    return load_model()  # in the configured format (WEIGHTS): int8 by default
+def real() -> LocalBackend:
+    return LocalBackend(load_model())  # in the configured format (WEIGHTS): int8 by default
 
 
-def logit_tolerance(loaded: LoadedModel) -> float:
+def logit_tolerance(loaded: LocalBackend | LoadedModel) -> float:
     """How far two computations of the same logits may differ when they attend over different shapes (cached
     and uncached, solo and batched). float32: rounding only. int8: an activation a rounding error away from a
     step boundary lands on the other side, a jump of one step of that token's largest activation: 1/7,938 with
@@ -94,7 +94,7 @@ def server_tokenizer():
     return load_tokenizer()
 
 
-def _tiny(kind: str, tokenizer, context: int = 4096) -> LoadedModel:
+def _tiny(kind: str, tokenizer, context: int = 4096) -> LocalBackend:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -108,21 +108,21 @@ def _tiny(kind: str, tokenizer, context: int = 4096) -> LoadedModel:
         cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=context,
                          bos_token_id=1, eos_token_id=2)
         model = GPT2LMHeadModel(cfg)
-    return wrap(model, tokenizer, f"tiny-{kind}" + ("" if context == 4096 else f"-{context}"))
+    return LocalBackend(wrap(model, tokenizer, f"tiny-{kind}" + ("" if context == 4096 else f"-{context}")))
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])
-def tiny(request, tokenizer) -> LoadedModel:
+def tiny(request, tokenizer) -> LocalBackend:
     return _tiny(request.param, tokenizer)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tokenizer) -> LoadedModel:
+def tiny_llama(tokenizer) -> LocalBackend:
     return _tiny("llama", tokenizer)
 
 
 @pytest.fixture(scope="session")
-def short_llama(tokenizer) -> LoadedModel:
+def short_llama(tokenizer) -> LocalBackend:
     """A tiny llama whose context (1,024 tokens) is shorter than every default max_length, like a model server's
     slot of `-c 4096 -np 4`."""
     return _tiny("llama", tokenizer, context=1024)
@@ -182,17 +182,18 @@ class WritingModel(ForcedModel):
         return super().forward(input_ids, **kwargs)
 
 
-def writing(loaded: LoadedModel, *pieces: str) -> LoadedModel:
-    """A LoadedModel whose model writes `pieces`, one after each tool output (WritingModel)."""
-    return dataclasses.replace(loaded, model=WritingModel(loaded.model, loaded.tokenizer, pieces),
-                               lock=threading.RLock())
+def writing(backend: LocalBackend, *pieces: str) -> LocalBackend:
+    """A backend whose model writes `pieces`, one after each tool output (WritingModel)."""
+    loaded = backend.loaded
+    return LocalBackend(dataclasses.replace(loaded, model=WritingModel(loaded.model, loaded.tokenizer, pieces)))
 
 
-def forced(loaded: LoadedModel, plan: dict[int, int] | None = None, eos_ids: frozenset[int] | None = None) -> LoadedModel:
-    """A LoadedModel whose model is a ForcedModel over `loaded`'s (same tokenizer, fresh lock)."""
-    return dataclasses.replace(loaded, model=ForcedModel(loaded.model, plan),
-                               eos_ids=loaded.eos_ids if eos_ids is None else eos_ids,
-                               lock=threading.RLock())
+def forced(backend: LocalBackend, plan: dict[int, int] | None = None,
+           eos_ids: frozenset[int] | None = None) -> LocalBackend:
+    """A backend whose model is a ForcedModel over `backend`'s (same tokenizer; its own scheduler and lock)."""
+    loaded = backend.loaded
+    return LocalBackend(dataclasses.replace(loaded, model=ForcedModel(loaded.model, plan),
+                                            eos_ids=loaded.eos_ids if eos_ids is None else eos_ids))
 
 
 def plan_text(tokenizer, *pieces: tuple[int, str]) -> dict[int, int]:
@@ -208,7 +209,7 @@ def prime(engine):
     """A new session whose shared prompt is already prefilled, with the forced model's step count reset,
     so plan step 0 is the first generated token."""
     session = engine.new_session()
-    model = engine.loaded.model
+    model = engine.backend.model
     if isinstance(model, ForcedModel):
         model.step, model.raw, model.fed = 0, [], []
     return session

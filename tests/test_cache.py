@@ -43,7 +43,7 @@ def test_logits_match_within_1e4(tiny, tokenizer):
     runs = []
     for use_cache in (True, False):
         engine, session, _ = two_turns(tiny, tokenizer, use_cache)
-        runs.append((torch.stack(engine.loaded.model.raw), engine.loaded.model.fed, session.cache.ids))
+        runs.append((torch.stack(engine.backend.model.raw), engine.backend.model.fed, session.cache.ids))
     (cached_logits, cached_fed, ids), (plain_logits, plain_fed, ids2) = runs
     assert ids == ids2
     assert (cached_logits - plain_logits).abs().max().item() < 1e-4
@@ -157,7 +157,7 @@ def test_real_model_episode_cached_equals_uncached(real):
         engine = Engine(forced(real))
         session = prime(engine)
         episode = engine.ask(session, "What is 41 * 23?", Settings(use_cache=use_cache, max_new_tokens=24))
-        runs.append((session.cache.ids, torch.stack(engine.loaded.model.raw), episode))
+        runs.append((session.cache.ids, torch.stack(engine.backend.model.raw), episode))
     (ids, logits, cached), (ids2, logits2, plain) = runs
     assert ids == ids2
     assert (logits - logits2).abs().max().item() < logit_tolerance(real)

@@ -158,7 +158,6 @@ def test_ask_says_when_the_model_fails_and_exits_non_zero(tiny_llama, monkeypatc
     """Regression (review): a model failure mid-answer printed the partial answer and exited 0; the text never
     said what failed (the JSON had it)."""
     import dataclasses
-    import threading
 
     import app.backends.select
     from app.backends.local import LocalBackend
@@ -166,7 +165,7 @@ def test_ask_says_when_the_model_fails_and_exits_non_zero(tiny_llama, monkeypatc
     from tests.test_stops import Exploding
 
     model = Exploding(tiny_llama.model, fail_at=3)  # (1: the prompt's prefill, 2: the question, 3: the next token)
-    loaded = dataclasses.replace(tiny_llama, model=model, lock=threading.RLock())
+    loaded = dataclasses.replace(tiny_llama.loaded, model=model)
     monkeypatch.setattr(app.backends.select, "load_backend", lambda: LocalBackend(loaded))
     assert main(["ask", "What is 2+2?"]) == 1
     assert "\n  [error: out of memory (simulated)]\n" in capsys.readouterr().out
@@ -195,9 +194,8 @@ def test_ask_defaults_fit_a_backend_with_a_shorter_context_and_a_given_max_lengt
     model) runs within them; `--max-length` above them is refused with the check's message."""
     from app import cli
     from app.backends import select
-    from app.backends.local import LocalBackend
 
-    monkeypatch.setattr(select, "load_backend", lambda: LocalBackend(short_llama))
+    monkeypatch.setattr(select, "load_backend", lambda: short_llama)
     budgets = []
     monkeypatch.setattr(cli, "_summary", lambda episode: budgets.append(episode.total_tokens) or "")
     assert cli.main(["ask", "hi", "--max-new-tokens", "2", "--max-turns", "0"]) == 0

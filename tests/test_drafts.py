@@ -69,7 +69,7 @@ def test_drafts_respect_max_length(engine):
 
 def test_drafts_need_fewer_forward_passes(engine, monkeypatch):
     """The point of drafts: without this, every test above would pass with drafting switched off."""
-    stats = engine.loaded.scheduler.stats  # one step = one forward pass (this test's row runs alone)
+    stats = engine.backend.scheduler.stats  # one step = one forward pass (this test's row runs alone)
     passes = []
     for drafts in (0, 8):
         before = stats.steps
@@ -82,7 +82,7 @@ def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
     """Eight rows at once share one step's drafts (app.backends.local.DRAFTS_PER_STEP): each drafts at most 2."""
     from app.backends.local import DRAFTS_PER_STEP, LocalSegment
 
-    scheduler = engine.loaded.scheduler
+    scheduler = engine.backend.scheduler
     plain = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40))
     keeps, next_pass = [], LocalSegment.next_pass
     monkeypatch.setattr(LocalSegment, "next_pass", lambda steps: (keeps.append(keep := next_pass(steps)), keep)[1])

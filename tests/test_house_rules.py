@@ -1,6 +1,8 @@
 """The house rules, read from the code's imports (ast, every import at any depth, TYPE_CHECKING ones included):
-no import circles; app/ never imports components/ or gradio; C is reached only through app/kernels/; the page
-(components/, app.py) imports only the packages' faces and the shared leaves, never a package's inner module."""
+no import circles; the packages import one way, by rank (kernels < model < decoding, protocols, tools < backends <
+engine < serving, training < the page), the shared leaves importing only leaves; app/ never imports components/
+or gradio; C is reached only through app/kernels/; the page (components/, app.py) imports only the packages' faces
+and the shared leaves, never a package's inner module."""
 
 from __future__ import annotations
 
@@ -12,7 +14,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "components")
 LEAVES = {"app", "app.settings", "app.protocol", "app.episode", "app.paths", "app.threads"}
-PAGE_FACES = {"app.engine", "app.backends", "app.serving", "app.decoding", "app.tools"}
+PAGE_FACES = {"app.engine", "app.backends", "app.serving", "app.tools"}
+# Lower never imports higher; the same rank may (no circle aside). Shared leaves sit below everything.
+RANKS = {"app.kernels": 1, "app.model": 2, "app.decoding": 3, "app.protocols": 3, "app.tools": 3, "app.backends": 4,
+         "app.engine": 5, "app.serving": 6, "app.training": 6, "app.cli": 7, "app.__main__": 7, "components": 7,
+         "app_py": 7}
+
+
+def rank(module: str) -> int | None:
+    """A module's rank: its package's (RANKS), 0 for a shared leaf, None for a package RANKS does not name."""
+    if module in LEAVES:
+        return 0
+    for prefix in (module, ".".join(module.split(".")[:2]), module.split(".")[0]):
+        if prefix in RANKS:
+            return RANKS[prefix]
+    return None
 
 
 def module_files() -> dict[str, Path]:
@@ -102,6 +118,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def broken_rules(graph: dict[str, set[str]], raw: dict[str, set[str]]) -> list[str]:
     """Every house rule the imports break, one line each (empty: the house is in order)."""
     problems = [f"import circle: {' -> '.join(c)}" for c in circles(graph)]
+    problems += [f"{m} has no rank: add its package to RANKS" for m in sorted(graph) if rank(m) is None]
+    for m in sorted(m for m in graph if rank(m) is not None):
+        for target in sorted(t for t in graph[m] if (rank(t) or 0) > rank(m)):
+            problems.append(f"{m} imports {target}: rank {rank(m)} imports only ranks up to its own, not {rank(target)}")
     for m, names in sorted(raw.items()):
         tops = {n.split(".")[0] for n in names}
         in_app = m == "app" or m.startswith("app.")
@@ -140,6 +160,12 @@ def test_c_sources_live_only_in_the_kernels_package():
     ({"components.chat": {"app.model.kvcache"}}, {"components.chat": {"app.model.kvcache"}},
      "components.chat imports app.model.kvcache"),
     ({"app_py": {"app.backends.server"}}, {"app_py": {"app.backends.server"}}, "app_py imports app.backends.server"),
+    ({"app.model.loading": {"app.decoding.guide_matcher"}, "app.decoding.guide_matcher": set()}, {},
+     "app.model.loading imports app.decoding.guide_matcher: rank 2"),
+    ({"app.engine.turns": {"app.serving.sessions"}, "app.serving.sessions": set()}, {},
+     "app.engine.turns imports app.serving.sessions: rank 5"),
+    ({"app.episode": {"app.decoding.stops"}, "app.decoding.stops": set()}, {}, "app.episode imports app.decoding.stops"),
+    ({"app.newpkg.x": set()}, {}, "app.newpkg.x has no rank"),
 ])
 def test_each_rule_catches_what_it_forbids(graph, raw, expected):
     """Each rule fails on a tree that breaks it (so the test above can fail)."""
@@ -151,7 +177,7 @@ def test_each_rule_catches_what_it_forbids(graph, raw, expected):
 def test_faces_and_inner_modules_are_told_apart():
     """A face import passes and a kernels binding may load the library: the rules forbid only what they name."""
     graph = {"components.chat": {"app.engine", "app.episode"}, "app.kernels.int8_mm": {"app.kernels.native"},
-             "app.engine": set(), "app.episode": set(), "app.kernels.native": set()}
+             "app.engine": {"app.model"}, "app.episode": set(), "app.kernels.native": set(), "app.model": set()}
     raw = {"components.chat": {"app.engine", "app.episode"}, "app.kernels.int8_mm": {"app.kernels.native"},
            "app.kernels.native": {"ctypes"}, "app.engine": set(), "app.episode": set()}
     assert broken_rules(graph, raw) == []

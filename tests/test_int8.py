@@ -12,6 +12,7 @@ from app.kernels.int8_rows import (ACT_MAX, FINE, QMAX, combine_rows, combine_ro
                                    split_rows_torch)
 from app.model.int8 import EXACT_SPAN, ExactWeight, Int8Linear, fbgemm_int8, int8_matmul_is_fast, int8_state, to_int8
 from app.model.kvcache import new_kv
+from app.backends.local import LocalBackend
 from app.model.loading import LoadedModel, load_model, weight_format, wrap
 from app.model.ragged import Row, ragged_forward
 from tests.native_support import c_library
@@ -255,7 +256,7 @@ def _int8_tiny(tiny_llama: LoadedModel) -> LoadedModel:
 
     model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))  # converting changes the model's config
     model.load_state_dict(tiny_llama.model.state_dict())
-    return wrap(model, tiny_llama.tokenizer, "tiny-llama-int8", weights="int8")
+    return LocalBackend(wrap(model, tiny_llama.tokenizer, "tiny-llama-int8", weights="int8"))
 
 
 @pytest.mark.parametrize("few", [None, 8])
@@ -296,7 +297,7 @@ def real_int8(request) -> LoadedModel:
     """The real model in int8: the session's own where it runs in int8, else one loaded for the test (on a CPU
     without fast int8 matmuls, on the exact kernel: the same bits)."""
     real = request.getfixturevalue("real")
-    return real if real.weights == "int8" else load_model(weights="int8")
+    return real if real.weights == "int8" else LocalBackend(load_model(weights="int8"))
 
 
 @pytest.mark.parametrize("which", ["tiny_llama", "real"])
@@ -392,7 +393,7 @@ def test_int8_real_model_agrees_with_float32_on_the_system_prompt(real, request)
     from app.tools.registry import default_tools
 
     int8 = real_int8(request)
-    reference = real if real.weights == "float32" else load_model(weights="float32")
+    reference = real if real.weights == "float32" else LocalBackend(load_model(weights="float32"))
     assert (int8.weights, reference.weights) == ("int8", "float32")
     ids = real.tokenizer(render_prompt(default_prompt_template(), default_tools()), return_tensors="pt").input_ids
     with torch.inference_mode():

@@ -15,6 +15,7 @@ from app.kernels.int8_rows import ACT_MAX, FINE, combine_rows_torch
 from app.model import ragged
 from app.model.int8 import PACKED_FEW_TOKENS, Int8Linear
 from app.model.kvcache import new_kv
+from app.backends.local import LocalBackend
 from app.model.loading import LoadedModel, wrap
 from app.model.ragged import Row, ragged_forward
 from tests.conftest import logit_tolerance
@@ -245,7 +246,7 @@ def _int8_heads64(tokenizer) -> LoadedModel:
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, bos_token_id=1,
                          eos_token_id=2, pad_token_id=2)
-    return wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-64-int8", weights="int8")
+    return LocalBackend(wrap(LlamaForCausalLM(config), tokenizer, "tiny-llama-64-int8", weights="int8"))
 
 
 @needs(AVX512)  # the rows attend in app/kernels/attend_rows.c, whose fast path is AVX-512 code

@@ -3,11 +3,11 @@ prompts counted once and let go of first, what a job reserves, jobs that wait fo
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
 
+from app.backends.local import LocalBackend
 from app.engine.prompt import default_prompt_template
 from app.engine.turns import Engine
 from app.model.kvcache import GROW_TOKENS, kv_nbytes
@@ -131,7 +131,7 @@ def test_warm_up_runs_a_turn_before_the_first_visitor(tiny_llama):
 def test_warm_up_fits_a_context_shorter_than_the_pages_default_max_length(short_llama):
     """Regression (review): the warm-up turn used the page's max_length, 2,048, and a model (or a server's slot:
     `-c 4096 -np 4` holds 1,024) with a shorter context failed its check, so app.py exited before launching."""
-    short = dataclasses.replace(short_llama)  # (no guide vocabulary yet: another test's would pass this one)
+    short = LocalBackend(short_llama.loaded)  # (no guide vocabulary yet: another test's would pass this one)
     service = ChatService(loader=lambda: short, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     service.warm_up()  # (raised InputError: max_length must be between 1 and 1024)
     assert "guide_vocab" in short.__dict__

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 from app.backends import BackendError, load_backend
-from tests.support.llama_server import LlamaServer
+from app.backends.local import LocalBackend
 from app.engine.turns import Engine
 from app.model import loading
 from app.model.int8 import SAVED_INT8
 from app.model.loading import HUB_MODEL_ID, ModelUnavailable, _converted_dir, load_model, load_tokenizer, model_source
 from app.settings import Settings
+from tests.support.llama_server import LlamaServer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # what a Space without the wheel says offline: one line, both ways out
@@ -45,7 +46,7 @@ def test_a_local_folder_from_model_id_loads_and_answers(tmp_path, monkeypatch, t
     monkeypatch.delenv("GGUF_FILE", raising=False)
     loaded = load_model()
     assert loaded.name == str(tmp_path) and type(loaded.model) is type(tiny.model)
-    engine = Engine(loaded, prompt="{tools}\n\n")
+    engine = Engine(LocalBackend(loaded), prompt="{tools}\n\n")
     episode = engine.ask(engine.new_session(), "hello", Settings(max_new_tokens=4))
     assert episode.segments[0].generated_tokens >= 1
 

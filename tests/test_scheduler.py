@@ -14,7 +14,7 @@ from app.engine.turns import Engine
 from app.episode import EpisodeFinished, TextDelta
 from app.model import scheduler as scheduler_module
 from app.model.kvcache import TokenCache
-from app.model.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, Scheduler, plan_step
+from app.model.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, PassResult, Scheduler, plan_step
 from app.settings import Settings
 from app.tools.base import Tool
 from app.tools.registry import default_tools
@@ -321,10 +321,10 @@ def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
     def run_cancelled():
         for event in engine.turn(cancelled, "Write a long story.", Settings(max_new_tokens=200, max_turns=0),
                                  cancel=cancel):
-            if isinstance(event, TextDelta) and engine.loaded.scheduler.stats.steps > started + 12:
+            if isinstance(event, TextDelta) and engine.backend.scheduler.stats.steps > started + 12:
                 cancel.set()
 
-    scheduler = engine.loaded.scheduler
+    scheduler = engine.backend.scheduler
     started = scheduler.stats.steps
     threads = [threading.Thread(target=run_cancelled)]
     threads[0].start()
@@ -351,11 +351,11 @@ def test_a_batch_runs_its_rows_at_once_and_returns_them_in_order(tiny_llama):
     questions = [f"question number {i}" for i in range(8)]
     settings = Settings(max_new_tokens=12, max_turns=0)
     solo = [engine.ask(engine.new_session(seed=i), q, settings).token_ids for i, q in enumerate(questions)]
-    before = engine.loaded.scheduler.stats.steps
+    before = engine.backend.scheduler.stats.steps
     episodes = engine.run(questions, settings)
     assert [e.token_ids for e in episodes] == solo
     assert [e.question for e in episodes] == questions
-    assert engine.loaded.scheduler.stats.steps - before < 8 * 12  # fewer steps than one row after another
+    assert engine.backend.scheduler.stats.steps - before < 8 * 12  # fewer steps than one row after another
     rows = [e.row for e in engine.stream_batch(questions[:3], settings) if isinstance(e, EpisodeFinished)]
     assert sorted(rows) == [0, 1, 2]
 
@@ -371,7 +371,7 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     engine = Engine(tiny_llama)
     engine.ask(engine.new_session(), "warm up", Settings(max_new_tokens=2, max_turns=0))
     steps: list[int] = []
-    scheduler = engine.loaded.scheduler
+    scheduler = engine.backend.scheduler
     ragged = scheduler._ragged
     monkeypatch.setattr(scheduler, "_ragged", lambda plan: (steps.append(len(plan)), ragged(plan)))
     engine.run([f"question number {i}" for i in range(8)], Settings(max_new_tokens=4, max_turns=0))
@@ -379,32 +379,37 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     assert scheduler.rows_in_turns() == 0  # every row's scope was left
 
 
-def test_a_request_with_then_runs_its_passes_in_the_schedulers_thread_and_fails_alone(tiny_llama):
-    """submit(..., then=...): after each pass the scheduler's thread calls `then` (a decoding row's per-token work)
-    and runs the next pass in a later step without the row's thread; the greedy tokens are a solo run's. A `then`
-    that raises ends its own request with that error while a row beside it goes on; `ended` is called once each."""
+def test_a_request_with_an_owner_runs_its_passes_in_the_schedulers_thread_and_fails_alone(tiny_llama):
+    """submit(..., owner=...): after each pass the scheduler's thread tells the owner the pass's result (a decoding
+    row's per-token work) and runs the next pass in a later step without the row's thread; the greedy tokens are a
+    solo run's. An owner that raises ends its own request with that error while a row beside it goes on; each owner
+    is told once that its request ended, with its error."""
     scheduler = Scheduler(tiny_llama.model)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     want = greedy_steps(lambda c: c.forward(tiny_llama.model), prompts[0], 6)[0]
     caches, got, threads, ended = [TokenCache(ids) for ids in prompts], [], [], []
 
-    def then_for(row: int):
-        def then(logits, fed, reused):
-            assert threading.current_thread() is scheduler._thread
-            if row == 1 and len(caches[1]) > 5:
-                raise RuntimeError("this row's work failed")
-            token = int(logits[-1].argmax())
-            (got if row == 0 else threads).append(token)
-            caches[row].extend([token])
-            return None if row == 0 and len(got) == 6 else 1
-        return then
+    class Owner:
+        def __init__(self, row: int):
+            self.row = row
 
-    requests = [scheduler.submit(caches[row], 1, then=then_for(row), ended=lambda row=row: ended.append(row))
-                for row in (0, 1)]
+        def passed(self, result: PassResult) -> int | None:
+            assert threading.current_thread() is scheduler._thread
+            if self.row == 1 and len(caches[1]) > 5:
+                raise RuntimeError("this row's work failed")
+            token = int(result.logits[-1].argmax())
+            (got if self.row == 0 else threads).append(token)
+            caches[self.row].extend([token])
+            return None if self.row == 0 and len(got) == 6 else 1
+
+        def ended(self, error: BaseException | None) -> None:
+            ended.append((self.row, type(error).__name__))
+
+    requests = [scheduler.submit(caches[row], 1, owner=Owner(row)) for row in (0, 1)]
     for request in requests:
         request.done.wait(60)
     assert got == want and requests[0].error is None
-    assert isinstance(requests[1].error, RuntimeError) and sorted(ended) == [0, 1]
+    assert isinstance(requests[1].error, RuntimeError) and sorted(ended) == [(0, "NoneType"), (1, "RuntimeError")]
     with pytest.raises(RuntimeError, match="this row's work failed"):
         requests[1].result()
     caches[0].check()

@@ -15,8 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from app.decoding.stops import Stop
-from app.episode import Provenance
+from app.episode import Provenance, Stop
 
 if TYPE_CHECKING:
     import torch
@@ -48,9 +47,22 @@ class SegmentRun:
     steered_known: bool = True  # False where the backend cannot tell a steered token from the model's own
 
 
+@dataclass(frozen=True)
+class BackendStats:
+    """What the stats panel and `/stats` show of a backend: its name, where the keys/values live, what runs the
+    model, and (in process) how many rows the scheduler batched into its steps."""
+
+    name: str
+    kv_in_process: bool
+    runs: str | None = None  # what computes the passes (in process: the batched pass, or the model's own forward)
+    steps: int | None = None  # the scheduler's steps so far (None: a model server schedules its own)
+    rows: int = 0  # row-steps: rows / steps is the mean batch
+    peak_rows: int = 0
+
+
 class Backend(Protocol):
     """A model behind one small interface. `lock` serializes tokenizer use (fast tokenizers are not
-    thread-safe) and, in process, the model too."""
+    thread-safe)."""
 
     name: str  # which backend answers: shown in the stats panel and the CLI's / API's JSON
     tokenizer: object
@@ -59,6 +71,11 @@ class Backend(Protocol):
     parallel: int  # how many segments it usefully runs at once (a batch's rows run this many at a time)
     shares_prefix: bool  # sessions read the prefilled prompt's keys/values in place, not a copy (app.model.kvcache)
     special_token_texts: list[str]
+    kv_in_process: bool  # the sessions' keys/values live in this process (in its memory budget), not on a server
+    kv_bytes_per_token: int  # what one token's keys/values take in this process (0 where they live on a server)
+
+    def stats(self) -> BackendStats:
+        """The backend's figures for the stats panel and `/stats`."""
 
     def prefill(self, cache: TokenCache) -> None:
         """Compute a shared system prompt's keys/values once, where this process holds them."""

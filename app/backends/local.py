@@ -5,23 +5,25 @@ loop does; the segment's own thread streams the text."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
-from app.backends.base import SegmentRun
-from app.decoding.guide_matcher import GuideMatcher
-from app.decoding.sampling import PromptLookup, greedy, next_token
-from app.decoding.stops import Detokenizer, Stop, StopChecker, StopReason
-from app.episode import Provenance
+from app.backends.base import BackendStats, SegmentRun
+from app.decoding.choose import choose_tokens
+from app.decoding.guide_matcher import GuideMatcher, GuideVocab
+from app.decoding.sampling import PromptLookup
+from app.decoding.stops import Detokenizer, StopChecker
+from app.episode import Provenance, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import LoadedModel
-from app.model.scheduler import Cancelled
+from app.model.scheduler import Cancelled, PassResult, Scheduler
 from app.protocol import STOP_STRINGS
 
 if TYPE_CHECKING:
@@ -36,28 +38,65 @@ DRAFTS_PER_STEP = 16
 
 
 class LocalBackend:
-    """Runs segments on a LoadedModel. Thread-safe: forward passes go through the model's scheduler (batched
-    with every other session's), tokenizer use through the model's lock."""
+    """Runs segments on a LoadedModel, and owns what runs it: the scheduler (the one owner of its forward passes,
+    batched with every other session's), the guide's view of its tokenizer, and the lock that serializes tokenizer
+    use. Thread-safe."""
+
+    kv_in_process = True
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.lock = loaded.lock
+        self.lock = threading.RLock()  # fast tokenizers are not thread-safe
+        self.scheduler = Scheduler(loaded.model)
         self.name = f"in-process ({loaded.name}, {loaded.weights})"
         self.special_token_texts = loaded.special_token_texts
+        self.kv_bytes_per_token = loaded.kv_bytes_per_token
         self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
         cfg = loaded.model.config.get_text_config()
         # a batch's rows at once where the scheduler batches them into one pass; else one after another
-        self.parallel = loaded.scheduler.max_rows if loaded.scheduler.ragged else 1
-        self.shares_prefix = loaded.scheduler.ragged  # cascade attention reads a shared prefix (app.model.ragged)
+        self.parallel = self.scheduler.max_rows if self.scheduler.ragged else 1
+        self.shares_prefix = self.scheduler.ragged  # cascade attention reads a shared prefix (app.model.ragged)
         self.context_limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.loaded.eos_ids
+
+    @property
+    def weights(self) -> str:
+        return self.loaded.weights
+
+    @functools.cached_property
+    def guide_vocab(self) -> GuideVocab:
+        """The guide's view of the tokenizer (app.decoding.guide_matcher), built once when first needed."""
+        with self.lock:  # the tokenizer
+            return GuideVocab(self.tokenizer, self.loaded.eos_ids)
+
+    def stats(self) -> BackendStats:
+        counts = self.scheduler.stats
+        path = "batched pass" if self.scheduler.ragged else "the model's own forward, one row a step"
+        return BackendStats(self.name, kv_in_process=True, runs=path, steps=counts.steps, rows=counts.rows,
+                            peak_rows=counts.peak_rows)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """New weights for the running model (a trainer's, after its step), copied in between two scheduler steps.
+        Float32 weights only: an int8 model's layers are quantized copies of weights it no longer holds."""
+        if self.loaded.weights != "float32":
+            raise ValueError(f"load_weights needs a float32 model; this one computes in {self.loaded.weights} "
+                             "(WEIGHTS=float32)")
+        self.scheduler.load_weights(state)
+
     def turn_scope(self) -> AbstractContextManager[None]:
-        return self.loaded.scheduler.turn()  # between a turn's passes, the next step waits for it a moment
+        return self.scheduler.turn()  # between a turn's passes, the next step waits for it a moment
 
     def prefill(self, cache: TokenCache) -> None:
         if cache.cached == 0 and len(cache) > 1:
-            self.loaded.scheduler.forward(cache)
+            self.scheduler.forward(cache)
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
@@ -65,71 +104,41 @@ class LocalBackend:
         thread right after each pass; this thread streams the text they queue."""
         if not settings.use_cache:
             cache.drop_kv()
-        steps = LocalSegment(self, cache, settings, cancel, run, generator)
-        request, read = None, False
+        guide = None if run.grammar is None else self.guide_vocab.matcher(run.grammar)
+        steps = LocalSegment(self.tokenizer, self.lock, self.stops, self.scheduler, cache, settings, cancel, run,
+                             generator, guide)
+        request = None
         try:
             keep = steps.next_pass()
             if keep is None:  # (the guide's forced tokens may have ended it before any pass)
-                while not steps.texts.empty():
-                    yield from filter(None, steps.texts.get())
-                return
-            request = self.loaded.scheduler.submit(cache, keep, cancel, then=steps.passed, ended=steps.end)
-            while (deltas := steps.texts.get()) is not None:
-                for delta in deltas:
-                    if delta:
-                        yield delta
-            read = True
-            if request.error is not None:
+                steps.ended(None)
+            else:
+                request = self.scheduler.submit(cache, keep, cancel, owner=steps)
+            yield from steps.stream()
+            if request is not None and request.error is not None:
                 steps.failed(request.error)
         finally:
-            if request is not None and not read:  # the stream was closed before the request's end was read
-                if not request.done.is_set():  # the row ends after its pass in flight, which it drops (the cache
-                    steps.closed = True  # stays this thread's after)
-                    request.done.wait()
+            if request is not None and not steps.read:  # the stream was closed before the request's end was read
+                steps.close()  # the row ends after its pass in flight, which it drops (the cache stays this
+                request.done.wait()  # thread's after)
                 if request.error is not None:  # (it ended before its next pass, whether before or after the
                     steps.abandoned(request.error)  # close: Stop, or a failure)
             if not settings.use_cache:
                 cache.drop_kv()
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, drafts: list[int], settings: Settings, generator,
-                guide: GuideMatcher | None) -> tuple[list[int], list[Provenance]]:
-        """The new tokens: the drafts the model agrees with, then the model's own next token, each chosen from the
-        logits as the guide masks them (so drafts never change what is chosen), with who chose each. The guide
-        takes each token as it is chosen."""
-        tokens, chosen_by = [], []
-        for i in range(len(drafts) + 1):
-            fixed = guide is not None and guide.is_forced()  # the grammar fixes the next text (its last token, which
-            # could merge with what follows, is left to a pass: whichever token spells it, the text is the guide's)
-            if guide is None:
-                pick, steered = (greedy(logits[i]) if drafts else
-                                 next_token(logits[i], settings.temperature, settings.top_p, generator)), False
-            elif drafts or settings.temperature <= 0:
-                pick, steered = guide.greedy(logits[i])
-            else:
-                row, steered = guide.mask(logits[i])
-                pick = next_token(row, settings.temperature, settings.top_p, generator)
-            tokens.append(pick)
-            chosen_by.append(Provenance.FORCED if fixed else Provenance.STEERED if steered else Provenance.MODEL)
-            if guide is not None:
-                guide.consume([pick])
-            if i == len(drafts) or pick != drafts[i] or (guide is not None and (guide.done or guide.is_forced())):
-                break  # (text the grammar fixes is the guide's, drafted or not: the next pass forces it)
-        return tokens, chosen_by
-
 
 class LocalSegment:
     """One model segment's per-token work between its passes: the tokens the model agrees with (drafts) and its
-    own next one, their text, the stop check, the next drafts. Runs in the scheduler's thread right after each
-    pass (`passed`), as a serving engine's loop does, so the row is in the next step without waking its thread;
-    the text goes to the segment's thread through `texts` (a list of deltas a pass, None once it is done)."""
+    own next one, their text, the stop check, the next drafts. The scheduler's RowOwner: it runs in the scheduler's
+    thread right after each pass (`passed`), as a serving engine's loop does, so the row is in the next step
+    without waking its thread; the segment's thread reads the text from `stream()`."""
 
-    def __init__(self, backend: LocalBackend, cache: TokenCache, settings: Settings,
-                 cancel: threading.Event | None, run: SegmentRun, generator: torch.Generator):
-        self.backend, self.cache, self.settings, self.cancel, self.run = backend, cache, settings, cancel, run
-        self.generator = generator
-        self.stops, self.detok = backend.stops.start(), Detokenizer(backend.tokenizer)
-        self.guide = None if run.grammar is None else backend.loaded.guide_vocab.matcher(run.grammar)
+    def __init__(self, tokenizer, lock: threading.RLock, stops: StopChecker, scheduler: Scheduler,
+                 cache: TokenCache, settings: Settings, cancel: threading.Event | None, run: SegmentRun,
+                 generator: torch.Generator, guide: GuideMatcher | None):
+        self.cache, self.settings, self.cancel, self.run = cache, settings, cancel, run
+        self.generator, self.lock, self.scheduler, self.guide = generator, lock, scheduler, guide
+        self.stops, self.detok = stops.start(), Detokenizer(tokenizer)
         self.added = 0  # tokens the segment added: the model's and the guide's (max_new_tokens bounds them all)
         self.first = True  # before the segment's first pass (its prefill)
         greedy_drafts = settings.draft_tokens and settings.temperature <= 0
@@ -139,35 +148,46 @@ class LocalSegment:
         self.draft_len = max(1, settings.draft_tokens // 2)
         self.drafts: list[int] = []
         self.base = len(cache)  # the ids before the pass in flight (and its drafts)
-        self.texts: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
-        self.closed = False  # set by the segment's thread when its stream is closed
+        self._texts: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()  # a pass's deltas; None: the end
+        self._closed = False  # set by the segment's thread when its stream is closed
+        self.read = False  # the segment's thread read the stream to its end
+
+    def stream(self) -> Iterator[str]:
+        """The segment's text, as its passes add it, until the request ends (the segment's thread)."""
+        while (deltas := self._texts.get()) is not None:
+            yield from filter(None, deltas)
+        self.read = True
+
+    def close(self) -> None:
+        """Nobody reads the stream any more (the segment's thread): the row ends after its pass in flight."""
+        self._closed = True
 
     def next_pass(self) -> int | None:
         """The next pass's drafts, added to the ids: its keep; None when the segment is over."""
         run, settings, cache = self.run, self.settings, self.cache
         if run.stop is not None:
             return None
-        if self.closed or (self.cancel is not None and self.cancel.is_set()):
+        if self._closed or (self.cancel is not None and self.cancel.is_set()):
             run.stop = Stop(StopReason.CANCELLED)
             return None
         if self.guide is not None and (forced := self.guide.forced()):  # the text the grammar fixes: no choice
-            self.texts.put(self._force(forced))
+            self._texts.put(self._force(forced))
             if run.stop is not None:
                 return None
         self.base = len(cache)
         room = min(settings.max_new_tokens - self.added, settings.max_length - self.base) - 1
-        share = max(1, DRAFTS_PER_STEP // max(1, self.backend.loaded.scheduler.rows_in_turns()))
+        share = max(1, DRAFTS_PER_STEP // max(1, self.scheduler.rows_in_turns()))
         # (the first pass too: after a question or a tool's result the model mostly starts as the prompt's examples
         # do, "<request><", "Result = ...", so its first text comes a pass earlier)
         self.drafts = self.lookup.propose(min(self.draft_len, room, share)) if self.lookup else []
         cache.extend(self.drafts)
         return len(self.drafts) + 1
 
-    def passed(self, logits: torch.Tensor, fed: int, hit: int) -> int | None:
+    def passed(self, result: PassResult) -> int | None:
         """A pass is done (the scheduler's thread): take its tokens, check the stops, queue their text; the next
         pass's keep, or None."""
         run, settings, cache, drafts = self.run, self.settings, self.cache, self.drafts
-        if self.closed:  # nobody reads this segment any more: the pass it ran is dropped, the ids end at the last
+        if self._closed:  # nobody reads this segment any more: the pass it ran is dropped, the ids end at the last
             # token taken, its keys/values not computed, as after any step (a Stop instead keeps the pass's tokens,
             # which are streamed, and ends the segment before its next pass)
             last = cache.ids[self.base - 1]
@@ -179,8 +199,9 @@ class LocalSegment:
             if self.first:
                 self.first = False
                 # (neither drafts nor the tokens the guide forced before the first pass are prompt)
-                run.prefill_tokens, run.cached_tokens = fed - len(drafts) - self.added, hit
-            tokens, chosen_by = self.backend._choose(logits, drafts, settings, self.generator, self.guide)
+                run.prefill_tokens, run.cached_tokens = result.fed - len(drafts) - self.added, result.reused
+            tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
+                                              self.generator, self.guide)
             if drafts:
                 full = len(tokens) > len(drafts)
                 self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
@@ -192,7 +213,7 @@ class LocalSegment:
             raise
         if self.lookup:
             self.lookup.sync()
-        self.texts.put(deltas)
+        self._texts.put(deltas)
         return self.next_pass()
 
     def _force(self, forced: list[int]) -> list[str]:
@@ -208,7 +229,7 @@ class LocalSegment:
         """The segment takes `tokens` (in the ids from position `at`): each one's text, checked in order for a
         stop; nothing after a stop is kept. Their text deltas."""
         run, settings, deltas = self.run, self.settings, []
-        with self.backend.lock:  # the tokenizer
+        with self.lock:  # the tokenizer
             for i, token in enumerate(tokens):
                 self.added += 1
                 run.generated_tokens += chosen_by[i] is not Provenance.FORCED
@@ -222,9 +243,10 @@ class LocalSegment:
                     break
         return deltas
 
-    def end(self) -> None:
-        """The request is done (any outcome): the segment's thread stops reading."""
-        self.texts.put(None)
+    def ended(self, error: BaseException | None) -> None:
+        """The request is over (any outcome; the scheduler's thread): the segment's thread stops reading, and
+        learns the outcome from the request."""
+        self._texts.put(None)
 
     def failed_step(self) -> None:
         """The model (or sampling) failed mid-step: undo that step and say so."""

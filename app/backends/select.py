@@ -4,12 +4,8 @@ model loaded in this process."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from app.backends.base import Backend, BackendError
-
-if TYPE_CHECKING:
-    from app.model.loading import LoadedModel
 
 
 def load_backend() -> Backend:
@@ -46,11 +42,3 @@ def concurrent_turns() -> int:
     from app.model.scheduler import MAX_ROWS
 
     return MAX_ROWS
-
-
-def as_backend(model: Backend | LoadedModel) -> Backend:
-    """A backend as given, or the in-process backend of a loaded model."""
-    from app.backends.local import LocalBackend
-    from app.model.loading import LoadedModel
-
-    return LocalBackend(model) if isinstance(model, LoadedModel) else model

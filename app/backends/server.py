@@ -27,11 +27,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.backends.base import BackendError, SegmentRun
+from app.backends.base import BackendError, BackendStats, SegmentRun
 from app.backends.server_client import ModelServer, ServerHTTPError
 from app.decoding.guide_matcher import GuideError, GuideVocab, replay
-from app.decoding.stops import Limit, Stop, StopReason
-from app.episode import Provenance
+from app.episode import Limit, Provenance, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import load_tokenizer, special_token_texts
 from app.protocol import STOP_STRINGS, encode
@@ -193,6 +192,8 @@ class ServerBackend:
     tokenizer only, so sessions generate on the server at the same time."""
 
     WARMED_PROMPTS = 16  # prompts remembered as sent (a bound: visitors can write their own)
+    kv_in_process = False  # the server holds the keys/values
+    kv_bytes_per_token = 0  # (none of them in this process's memory)
 
     def __init__(self, server: ModelServer, dialect: LlamaCpp | Vllm, tokenizer, context_limit: int):
         self.server, self.dialect, self.tokenizer = server, dialect, tokenizer
@@ -231,6 +232,9 @@ class ServerBackend:
             raise BackendError(f"model server {server.url} tokenizes differently from this app's tokenizer "
                                f"({theirs[:8]}… vs {ours[:8]}…): set MODEL_ID / GGUF_FILE to the served model")
         return cls(server, dialect, tokenizer, context_limit)
+
+    def stats(self) -> BackendStats:
+        return BackendStats(self.name, kv_in_process=False, runs=f"{self.dialect.kind} server")
 
     def turn_scope(self) -> AbstractContextManager[None]:
         return nullcontext()  # the server schedules its own batches

@@ -1,6 +1,3 @@
-"""Per-token decisions: stops and their reasons, sampling and drafts, the guide's grammar and its matcher. The face
-holds only the stop records (light: no torch)."""
-
-from app.decoding.stops import Limit, Stop, StopReason
-
-__all__ = ["Limit", "Stop", "StopReason"]
+"""Per-token decisions: stop checks, sampling and drafts, the tokens a pass adds, the guide's grammar and its matcher.
+The stop records themselves (Stop, StopReason, Limit) are app.episode's. Nothing here is the page's: its face is
+empty."""

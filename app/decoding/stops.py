@@ -8,47 +8,8 @@ are searched only in the new text plus a tail as long as the longest stop string
 from __future__ import annotations
 
 import bisect
-import enum
-from dataclasses import dataclass
 
-
-class StopReason(str, enum.Enum):
-    STRING_MATCH = "string_match"
-    EOS = "eos"
-    MAX_LENGTH = "max_length"
-    REPETITION = "repetition"  # the last tokens were one span written three times over: a loop, not an answer
-    CANCELLED = "cancelled"  # the user stopped it (or the stream was closed)
-    ERROR = "error"  # the model raised; the session was rolled back to its last consistent state
-
-
-class Limit(str, enum.Enum):
-    MAX_NEW_TOKENS = "max_new_tokens"  # this segment's budget
-    MAX_LENGTH = "max_length"  # the whole session's token budget
-
-
-@dataclass(frozen=True)
-class Stop:
-    reason: StopReason
-    string: str | None = None
-    limit: Limit | None = None
-
-    @property
-    def shown_string(self) -> str | None:
-        """The stop string as a view prints it: a newline in it as `\\n` (`\\nQ:`)."""
-        return None if self.string is None else self.string.replace("\n", "\\n")
-
-    @property
-    def label(self) -> str:
-        """The stop reason in the words every view uses: `string match <call>`, `EOS`, `max_length (...)`."""
-        if self.reason is StopReason.STRING_MATCH:
-            return f"string match {self.shown_string}"
-        if self.reason is StopReason.EOS:
-            return "EOS"
-        if self.reason is StopReason.MAX_LENGTH:
-            return "max_length (max_new_tokens)" if self.limit is Limit.MAX_NEW_TOKENS else "max_length (session max_length)"
-        if self.reason is StopReason.REPETITION:
-            return "repetition"
-        return "stopped by user" if self.reason is StopReason.CANCELLED else "error"
+from app.episode import Limit, Stop, StopReason
 
 
 class Detokenizer:
@@ -67,7 +28,7 @@ class Detokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def copy(self) -> "Detokenizer":
-        """One that goes on from here on its own (what drafts would read as: LocalBackend._choose)."""
+        """One that goes on from here on its own (what drafts would read as: app.decoding.choose)."""
         other = Detokenizer(self._tokenizer)
         other._ids, other._prefix, other._read = self._ids[self._prefix:], 0, self._read - self._prefix
         return other

@@ -24,15 +24,13 @@ from typing import Generator
 from transformers import DynamicCache
 
 from app.backends.base import Backend, SegmentRun
-from app.backends.select import as_backend
 from app.decoding.guide import Guide, segment_guide
-from app.decoding.stops import Holdback, Limit, Stop, StopReason, tokens_before
+from app.decoding.stops import Holdback, tokens_before
 from app.engine.prompt import PromptError, default_prompt_template, render_prompt
 from app.engine.session import Session
-from app.episode import (Episode, EpisodeFinished, Event, Provenance, Segment, SegmentFinished, SegmentStarted,
-                         TextDelta)
+from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished, SegmentStarted,
+                         Stop, StopReason, TextDelta)
 from app.model.kvcache import TokenCache, kv_nbytes
-from app.model.loading import LoadedModel
 from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, ToolCallError, calls_tool, encode,
                           neutralize, parse_tool_call)
 from app.settings import InputError, Settings, clean_question, require_utf8
@@ -47,9 +45,9 @@ class Engine:
 
     PROMPT_CACHE_SIZE = 4
 
-    def __init__(self, backend: Backend | LoadedModel, tools: Mapping[str, Tool] | None = None,
+    def __init__(self, backend: Backend, tools: Mapping[str, Tool] | None = None,
                  prompt: str | None = None):
-        self.backend = as_backend(backend)
+        self.backend = backend
         self.tools = dict(default_tools() if tools is None else tools)
         self.prompt = render_prompt(default_prompt_template() if prompt is None else prompt, self.tools)
         self._specials = self.backend.special_token_texts
@@ -57,11 +55,6 @@ class Engine:
         self._released: weakref.WeakSet[DynamicCache] = weakref.WeakSet()  # let go of, while anything reads them
         self._prompt_lock = threading.Lock()
         self.context_limit = self.backend.context_limit
-
-    @property
-    def loaded(self) -> LoadedModel:
-        """The in-process model (the local backend only)."""
-        return self.backend.loaded
 
     def _encode(self, text: str) -> list[int]:
         with self.backend.lock:

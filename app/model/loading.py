@@ -8,24 +8,20 @@ cache folder, which later starts load quickly (docs/performance.md).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from app.decoding.guide_matcher import GuideVocab
 from app.model.attention import use_gqa_sdpa
 from app.model.int8 import SAVED_INT8, int8_state, to_int8
 from app.model.ragged import supports
-from app.model.scheduler import Scheduler
 from app.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -37,20 +33,16 @@ HUB_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled model's hub 
 WEIGHT_FORMATS = ("int8", "float32")  # the first is the default
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedModel:
-    """A model, its tokenizer, and the facts the engine needs about them."""
+    """What loading gives: a model in inference mode, its tokenizer, and the facts the engine needs about them.
+    Data only: the in-process backend (app.backends.local) runs it."""
 
     model: torch.nn.Module
     tokenizer: object
     name: str
     eos_ids: frozenset[int]
     weights: str = "float32"  # the format the linear layers compute in (WEIGHTS): "int8" or "float32"
-    lock: threading.RLock = field(default_factory=threading.RLock)  # fast tokenizers are not thread-safe
-    scheduler: Scheduler = field(init=False, repr=False)  # the one owner of the model's forward passes
-
-    def __post_init__(self):
-        self.scheduler = Scheduler(self.model)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -64,12 +56,6 @@ class LoadedModel:
     @property
     def special_token_texts(self) -> list[str]:
         return special_token_texts(self.tokenizer)
-
-    @functools.cached_property
-    def guide_vocab(self) -> GuideVocab:
-        """The guide's view of the tokenizer (app.decoding.guide_matcher), built once per model when first needed."""
-        with self.lock:  # the tokenizer
-            return GuideVocab(self.tokenizer, self.eos_ids)
 
 
 def special_token_texts(tokenizer) -> list[str]:

@@ -3,10 +3,10 @@
 Continuous batching as serving engines do it, kept small: a session's thread (a chat turn, an API call, a batch
 row) asks for passes over its uncached tokens; the scheduler's thread takes every waiting request at a step
 boundary and runs them as one ragged pass (app.model.ragged), so rows join when they ask and leave when their segment
-stops, each with its own settings, sampling generator, stop checker and cancel. A decoding row's per-token work
-(app.backends.local.LocalSegment: its tokens, their text, the stop check, the next drafts) runs here right after
-its pass (`submit(..., then=...)`), and its thread only streams the text; tools run in the session's thread,
-never on the model's.
+stops, each with its own settings, sampling generator, stop checker and cancel. Each pass's result goes to the
+request's owner (`RowOwner`, e.g. app.backends.local.LocalSegment) right after it, in this thread: a decoding row's
+per-token work (its tokens, their text, the stop check, the next drafts) runs here, and its own thread only streams
+the text; tools run in the session's thread, never on the model's.
 
 A long prefill (a new question over an evicted history, a long tool result) is fed in chunks while other rows
 are decoding, so it never stalls them for much more than one decode step. A row whose pass raises is retried
@@ -20,9 +20,10 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -45,21 +46,35 @@ class Cancelled(Exception):
         self.fed, self.reused = fed, reused
 
 
-# After each of a request's passes, in the scheduler's thread: (logits, fed, reused) -> the keep of its next pass
-# (the caller has extended the cache by that pass's tokens), or None when it is done.
-Then = Callable[[torch.Tensor, int, int], "int | None"]
+@dataclass(frozen=True)
+class PassResult:
+    """One pass over a request's uncached ids, done: what goes back to the request's owner."""
+
+    logits: torch.Tensor  # the pass's last `keep` positions
+    fed: int  # tokens fed through the model for it (over one step, or several for a chunked prefill)
+    reused: int  # tokens whose keys/values came from the cache when it started
+
+
+class RowOwner(Protocol):
+    """Who a request's passes are for. Both calls come in the scheduler's thread: keep them short."""
+
+    def passed(self, result: PassResult) -> int | None:
+        """A pass is done: the keep of the next pass (the owner has added its tokens to the cache), or None when
+        the request is over."""
+
+    def ended(self, error: BaseException | None) -> None:
+        """The request is over, whatever the outcome (`error`: why it failed or was cancelled)."""
 
 
 @dataclass(eq=False)
 class Pass:
-    """A request for passes over a TokenCache's uncached ids (Scheduler.submit): one, or with `then` one a step
-    until `then` says it is done."""
+    """A request for passes over a TokenCache's uncached ids (Scheduler.submit): one, or with an owner one a step
+    until the owner says it is done."""
 
     cache: TokenCache
     keep: int
     cancel: threading.Event | None = None
-    then: Then | None = None
-    ended: Callable[[], None] | None = None  # called (in the scheduler's thread) once it is done
+    owner: RowOwner | None = None
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -119,6 +134,7 @@ class Scheduler:
         self._in_turns = 0  # rows inside a turn (see turn()): their next pass is worth waiting for
         self._releasing = False
         self._exit_hook = False
+        self._stepping = threading.RLock()  # held by the thread for each step: paused() waits for it
 
     @contextmanager
     def turn(self) -> Iterator[None]:
@@ -139,18 +155,38 @@ class Scheduler:
         """How many rows are inside a turn now (each will ask for a pass at almost every step)."""
         return self._in_turns
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No step runs inside this block (it waits for the step in flight to end): for changing the model's weights
+        between two steps."""
+        with self._stepping:
+            yield
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy `state` (names and shapes of the model's own state dict, every one of them) into the model
+        between two steps: the rows in flight go on with the new weights from their next step."""
+        own = self.model.state_dict()
+        missing, unknown = own.keys() - state.keys(), state.keys() - own.keys()
+        misfit = [k for k in own.keys() & state.keys() if state[k].shape != own[k].shape]
+        if missing or unknown or misfit:  # (checked first: load_state_dict copies what fits before it raises)
+            raise ValueError(f"the weights do not fit the model: {len(missing)} missing (e.g. {sorted(missing)[:2]}), "
+                             f"{len(unknown)} unknown (e.g. {sorted(unknown)[:2]}), {len(misfit)} of another shape "
+                             f"(e.g. {sorted(misfit)[:2]})")
+        with self.paused(), torch.no_grad():
+            self.model.load_state_dict(state, strict=True)
+
     def forward(self, cache: TokenCache, keep: int = 1,
                 cancel: threading.Event | None = None) -> tuple[torch.Tensor, int, int]:
         """TokenCache.forward through the next steps (leave `cache` alone meanwhile); Cancelled where cancelled."""
         return self.submit(cache, keep, cancel).result()
 
     def submit(self, cache: TokenCache, keep: int = 1, cancel: threading.Event | None = None,
-               then: Then | None = None, ended: Callable[[], None] | None = None) -> Pass:
-        """Like forward, without waiting. With `then`, the request goes on for as long as `then` (called in the
-        scheduler's thread after each pass, on the pass's logits) gives the next pass's keep: a decoding row's
-        per-token work runs there right after its pass, and the row joins the next step without threads waking in
-        turn for the GIL (docs/concurrency.md). `ended` is called once it is done, whatever the outcome."""
-        request = Pass(cache, keep, cancel, then, ended)
+               owner: RowOwner | None = None) -> Pass:
+        """Like forward, without waiting. With an `owner`, the request goes on for as long as the owner, told each
+        pass's result in the scheduler's thread, gives the next pass's keep: a decoding row's per-token work runs
+        there right after its pass, and the row joins the next step without threads waking in turn for the GIL
+        (docs/concurrency.md). The owner is told once when it is over, whatever the outcome."""
+        request = Pass(cache, keep, cancel, owner)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="model-scheduler", daemon=True)
@@ -195,7 +231,8 @@ class Scheduler:
                 self._active += self._waiting[:room]
                 del self._waiting[:room]
             try:
-                self._step(list(self._active))
+                with self._stepping:
+                    self._step(list(self._active))
             except BaseException as error:  # the thread's boundary: every waiting row gets the error, not a hang
                 for request in list(self._active):
                     self._finish(request, error=error)
@@ -264,10 +301,10 @@ class Scheduler:
         self._passed(request, logits)
 
     def _passed(self, request: Pass, logits: torch.Tensor) -> None:
-        """A request's pass is done: it ends, or (`then`) stays for its next pass in the next step."""
-        if request.then is not None:
+        """A request's pass is done: it ends, or (its owner says) stays for its next pass in the next step."""
+        if request.owner is not None:
             try:
-                keep = request.then(logits, request.fed, request.reused)
+                keep = request.owner.passed(PassResult(logits, request.fed, request.reused))
             except Exception as error:  # (the row's own work failed: that row alone ends, with its error)
                 self._finish(request, error=error)
                 return
@@ -282,8 +319,8 @@ class Scheduler:
         with self._cond:
             self._active.remove(request)
         request.done.set()
-        if request.ended is not None:
-            request.ended()
+        if request.owner is not None:
+            request.owner.ended(error)
 
 
 EXIT_WAIT_S = 10.0  # at the process's exit, how long the scheduler's work in flight may still run

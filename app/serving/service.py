@@ -8,11 +8,9 @@ import dataclasses
 import enum
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
-from app.backends.base import Backend
-from app.backends.select import as_backend, load_backend
-from app.backends.server import ServerBackend
+from app.backends.base import Backend, BackendStats
+from app.backends.select import load_backend
 from app.engine.prompt import default_prompt_template
 from app.engine.session import Session
 from app.engine.turns import Engine
@@ -20,9 +18,6 @@ from app.model.kvcache import kv_nbytes
 from app.serving.sessions import Entry, SessionStore, kv_after, kv_reserve
 from app.settings import InputError, Settings
 from app.tools.registry import default_tools, get_tools
-
-if TYPE_CHECKING:
-    from app.model.loading import LoadedModel
 
 WARM_UP_QUESTION = "What is 1 + 1?"  # (warm_up: a turn that calls a tool, on a session nobody sees)
 
@@ -40,7 +35,7 @@ class Service:
     """The model backend (in process, or a model server when MODEL_SERVER_URL is set), engines by tool set, the
     session store."""
 
-    def __init__(self, loader: Callable[[], Backend | LoadedModel] | None = None, store: SessionStore | None = None):
+    def __init__(self, loader: Callable[[], Backend] | None = None, store: SessionStore | None = None):
         self._loader = loader or load_backend
         self._backend: Backend | None = None
         self._engines: dict[tuple[str, ...], Engine] = {}
@@ -54,9 +49,17 @@ class Service:
         """Loaded on first use; a model server that is down raises a BackendError and is asked again next time."""
         with self._lock:
             if self._backend is None:
-                loaded = self._loader()
-                self._backend = as_backend(loaded)
+                self._backend = self._loader()
             return self._backend
+
+    def loaded_backend(self) -> Backend | None:
+        """The backend if it is loaded, else None (never loading it: the page draws itself before the first turn)."""
+        return self._backend
+
+    def backend_stats(self) -> BackendStats | None:
+        """The backend's figures, or None before it is loaded."""
+        backend = self._backend
+        return None if backend is None else backend.stats()
 
     def engine_for(self, tools: Sequence[str] | None) -> Engine:
         """The engine for a tool subset (None: every tool); engines share the model and are built once."""
@@ -141,20 +144,15 @@ class Service:
         will hold by the turn's end, filled by that cache (nothing where the keys/values live on a model server)."""
         if not use_cache:  # (every segment recomputes in a cache of its own, which the store does not hold)
             return dict(reserve=self.kv_reserve(session, use_cache=False))
-        loaded = getattr(self.backend, "loaded", None)
-        if loaded is None:
+        backend = self.backend
+        if not backend.kv_in_process:
             return {}
-        return dict(reserve=kv_after(session, loaded.kv_bytes_per_token, shares_prefix=self.backend.shares_prefix),
+        return dict(reserve=kv_after(session, backend.kv_bytes_per_token, shares_prefix=backend.shares_prefix),
                     fills=session.cache)
 
     def kv_reserve(self, session: Session, use_cache: bool = True, rows: int = 1) -> int:
         """app.serving.sessions.kv_reserve for this backend: nothing where the keys/values live on a model server."""
-        loaded = getattr(self.backend, "loaded", None)
-        if loaded is None:
+        backend = self.backend
+        if not backend.kv_in_process:
             return 0
-        return kv_reserve(session, loaded.kv_bytes_per_token, use_cache, self.backend.shares_prefix, rows)
-
-    @staticmethod
-    def kv_on_server(backend: Backend | None) -> bool:
-        """Whether the keys/values live on a model server (not in this process's budget)."""
-        return isinstance(backend, ServerBackend)
+        return kv_reserve(session, backend.kv_bytes_per_token, use_cache, backend.shares_prefix, rows)
