@@ -88,7 +88,7 @@ def _ask(args) -> int:
     tools = get_tools(args.tools.split(",") if args.tools else None)
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
     from app.backends.select import load_backend  # the model stack (torch, transformers): only past the checks above
-    from app.engine.turns import Engine
+    from app.engine.engine import Engine
     from app.episode import in_row_order
 
     engine = Engine(load_backend(), tools=tools, prompt=prompt)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.decoding.stops import StopReason  # noqa: E402
 from app.engine.rewards import builtin_questions, exact_match, submitted  # noqa: E402
-from app.engine.turns import Engine  # noqa: E402
+from app.engine.engine import Engine  # noqa: E402
 from app.episode import Episode
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402

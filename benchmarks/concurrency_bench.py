@@ -26,7 +26,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine.turns import Engine  # noqa: E402
+from app.engine.engine import Engine  # noqa: E402
 from app.episode import TextDelta
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402

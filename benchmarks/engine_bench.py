@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from app.decoding.stops import Detokenizer  # noqa: E402
 from app.engine.prompt import default_prompt_template
-from app.engine.turns import Engine  # noqa: E402
+from app.engine.engine import Engine  # noqa: E402
 from app.episode import TextDelta
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402

@@ -33,7 +33,7 @@ from tests.support.llama_server import LlamaServer  # noqa: E402
 from app.backends.local import LocalBackend  # noqa: E402
 from app.backends.server import ServerBackend  # noqa: E402
 from app.backends.server_client import ModelServer  # noqa: E402
-from app.engine.turns import Engine  # noqa: E402
+from app.engine.engine import Engine  # noqa: E402
 from app.episode import SegmentFinished, TextDelta
 from app.model.loading import load_model  # noqa: E402
 from app.protocol import CALL  # noqa: E402

@@ -29,7 +29,7 @@ import app  # noqa: E402,F401  (before torch: one intra-op thread in every threa
 import torch  # noqa: E402
 
 import workload  # noqa: E402
-from app.engine.turns import Engine  # noqa: E402
+from app.engine.engine import Engine  # noqa: E402
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import BUNDLED_GGUF, bundled_model_dir, load_model  # noqa: E402
 from app.settings import Settings

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from app.decoding.stops import StopReason
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.protocol import RESPONSE, SUBMIT
 from components.inputs import DEFAULTS as PAGE  # the page's settings
 

@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import LlamaConfig
 
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.model.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache, new_kv
 from app.protocol import encode
 from app.settings import Settings

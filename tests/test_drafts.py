@@ -6,7 +6,7 @@ import pytest
 
 from app.decoding.sampling import PromptLookup
 from app.decoding.stops import Limit, StopReason
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.settings import Settings
 
 QUESTIONS = ["What is 41 * 23?", "What does kludge mean?", "What is 1234 + 4321?"]

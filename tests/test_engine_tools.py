@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from app.decoding.stops import StopReason
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import Episode
 from app.protocol import encode
 from app.settings import Settings
@@ -165,7 +165,7 @@ def test_a_tool_output_cut_by_max_length_says_so(tiny_llama, tokenizer):
     """Regression (Chromium): a Search result cut at max_length showed "ok" and the cut text, with no sign of the
     cut (its `<response>` missing)."""
     from app.decoding.stops import Limit, StopReason
-    from app.engine.turns import Engine
+    from app.engine.engine import Engine
     from app.settings import Settings
     from components.chat import tool_message
     from tests.conftest import forced, plan_text, prime

@@ -7,7 +7,7 @@ import pytest
 
 from app.decoding.guide import build_guide, claimed_guide, literal, owed_text
 from app.decoding.guide_matcher import GuideError, GuideVocab, replay
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import Provenance
 from app.protocol import encode
 from app.settings import Settings

@@ -162,8 +162,8 @@ def test_c_sources_live_only_in_the_kernels_package():
     ({"app_py": {"app.backends.server"}}, {"app_py": {"app.backends.server"}}, "app_py imports app.backends.server"),
     ({"app.model.loading": {"app.decoding.guide_matcher"}, "app.decoding.guide_matcher": set()}, {},
      "app.model.loading imports app.decoding.guide_matcher: rank 2"),
-    ({"app.engine.turns": {"app.serving.sessions"}, "app.serving.sessions": set()}, {},
-     "app.engine.turns imports app.serving.sessions: rank 5"),
+    ({"app.engine.engine": {"app.serving.sessions"}, "app.serving.sessions": set()}, {},
+     "app.engine.engine imports app.serving.sessions: rank 5"),
     ({"app.episode": {"app.decoding.stops"}, "app.decoding.stops": set()}, {}, "app.episode imports app.decoding.stops"),
     ({"app.newpkg.x": set()}, {}, "app.newpkg.x has no rank"),
 ])

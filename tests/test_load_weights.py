@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.backends.local import LocalBackend
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.model.kvcache import TokenCache
 from app.model.loading import wrap
 from app.settings import Settings

@@ -11,7 +11,7 @@ import pytest
 
 from app.backends import BackendError, load_backend
 from app.backends.local import LocalBackend
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.model import loading
 from app.model.int8 import SAVED_INT8
 from app.model.loading import HUB_MODEL_ID, ModelUnavailable, _converted_dir, load_model, load_tokenizer, model_source

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from app.engine.prompt import PromptError, default_prompt_template, fill_examples, render_prompt
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.protocol import CALL, RESPONSE, SUBMIT
 from app.settings import InputError
 from app.tools.base import Tool

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app.decoding.sampling import greedy
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import TextDelta
 from app.settings import Settings
 from tests.conftest import forced, plan_text, prime

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.decoding.stops import StopReason
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import EpisodeFinished, TextDelta
 from app.model import scheduler as scheduler_module
 from app.model.kvcache import TokenCache

@@ -31,7 +31,7 @@ from app.backends.server_client import ModelServer
 from app.decoding.stops import Limit, StopReason
 from app.engine.comparisons import compare
 from app.engine.prompt import default_prompt_template
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import SegmentFinished, TextDelta
 from app.episode import Provenance
 from app.protocol import CALL, CUT_STOPS, STOP_STRINGS

@@ -15,7 +15,7 @@ from app.backends.base import BackendError
 from app.backends.server import LlamaCpp, ServerBackend
 from app.backends.server_client import ModelServer, error_message
 from app.decoding.stops import StopReason
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import TextDelta
 from app.episode import Provenance
 from app.protocol import SUBMIT, encode

@@ -13,7 +13,7 @@ from app.backends.server import End, LlamaCpp, ServerBackend, Vllm
 from app.backends.server_client import ModelServer
 from app.decoding.stops import Stop, StopReason
 from app.engine.comparisons import Comparison
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import Episode, Provenance, Segment
 from app.protocol import CALL, encode
 from app.settings import Settings

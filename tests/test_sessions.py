@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.serving.sessions import MB, SessionStore, StopSignal, budget_from_env, idle_timeout_from_env
 from app.settings import Settings
 from tests.conftest import forced

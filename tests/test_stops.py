@@ -9,7 +9,7 @@ import torch
 import pytest
 
 from app.decoding.stops import Holdback, Limit, StopReason, tokens_before
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import EpisodeFinished, TextDelta
 from app.protocol import encode
 from app.settings import InputError, Settings
@@ -382,7 +382,7 @@ def test_a_batch_row_whose_model_fails_is_logged_shown_and_not_scored(tiny_llama
     engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
     engine.new_session()  # (the prompt prefilled before the model fails)
     model.fail_at = model.calls + 2
-    with caplog.at_level("ERROR", logger="app.engine.turns"):
+    with caplog.at_level("ERROR", logger="app.engine.engine"):
         (episode,) = engine.run(["What is 2 + 2?"], Settings(guide=False, max_new_tokens=6))
     assert episode.error == "out of memory (simulated)"
     assert any("batch row 0 failed" in r.message and r.exc_info for r in caplog.records)

@@ -5,7 +5,7 @@ from app.engine.comparisons import Comparison, GuideComparison, compare, compare
 from app.engine.prompt import PromptError, default_prompt_template
 from app.engine.rewards import builtin_questions, exact_match
 from app.engine.session import Session
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 
 __all__ = ["Engine", "Session", "Comparison", "GuideComparison", "compare", "compare_guide", "forced_tokens",
            "steered_tokens", "PromptError", "default_prompt_template", "builtin_questions", "exact_match"]

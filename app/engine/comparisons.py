@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from app.engine.session import Session
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.episode import Episode
 from app.episode import total_or_none
 from app.settings import Settings

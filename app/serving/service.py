@@ -13,7 +13,7 @@ from app.backends.base import Backend, BackendStats
 from app.backends.select import load_backend
 from app.engine.prompt import default_prompt_template
 from app.engine.session import Session
-from app.engine.turns import Engine
+from app.engine.engine import Engine
 from app.model.kvcache import kv_nbytes
 from app.serving.sessions import Entry, SessionStore, kv_after, kv_reserve
 from app.settings import InputError, Settings
