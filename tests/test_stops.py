@@ -8,6 +8,7 @@ import torch
 
 import pytest
 
+from app.backends.local import LocalBackend
 from app.decoding.stops import Holdback, Limit, StopReason, tokens_before
 from app.engine.engine import Engine
 from app.episode import EpisodeFinished, TextDelta
@@ -283,7 +284,7 @@ def test_cancel_stops_between_tokens_and_keeps_the_session_consistent(tiny_llama
     plan = {i: 1000 + i for i in range(100)}
     cancel = threading.Event()
     model = Gated(tiny_llama.model, plan, hold=3, release=cancel)
-    engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
+    engine = Engine(LocalBackend(dataclasses.replace(tiny_llama.loaded, model=model)), prompt=PROMPT)
     session = prime(engine)
     model.gating = True
     deltas, streamed = 0, ""
@@ -354,7 +355,7 @@ def test_a_model_error_mid_segment_is_recorded_and_the_session_goes_on(tiny_llam
     import dataclasses
 
     model = Exploding(tiny_llama.model, fail_at=10**9)
-    engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
+    engine = Engine(LocalBackend(dataclasses.replace(tiny_llama.loaded, model=model)), prompt=PROMPT)
     session = engine.new_session()
     before = len(session.cache)
     model.fail_at = model.calls + 4  # the 4th step of the next turn fails, after its layers took the new positions
@@ -379,7 +380,7 @@ def test_a_batch_row_whose_model_fails_is_logged_shown_and_not_scored(tiny_llama
     from components.batch import BatchRun, Item, accuracy, batch_frame, batch_summary, rewards
 
     model = Exploding(tiny_llama.model, fail_at=10**9)
-    engine = Engine(dataclasses.replace(tiny_llama, model=model, lock=threading.RLock()), prompt=PROMPT)
+    engine = Engine(LocalBackend(dataclasses.replace(tiny_llama.loaded, model=model)), prompt=PROMPT)
     engine.new_session()  # (the prompt prefilled before the model fails)
     model.fail_at = model.calls + 2
     with caplog.at_level("ERROR", logger="app.engine.engine"):
