@@ -71,6 +71,7 @@ class Segment:
     query: str | None = None
     ran: str | None = None  # the tool that answered, where the one called passed the query on (registry.Misrouted)
     ok: bool = True
+    result: str | None = None  # tool segments: the tool's output as the model reads it (neutralized, bounded)
     prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
     cached_tokens: int | None = 0  # tokens whose keys/values came from the cache (None: a server did not say)
     generated_tokens: int = 0  # tokens the model chose (forced ones are the guide's)
@@ -124,8 +125,9 @@ class Segment:
             "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "ms": round(self.ms, 3),
+            # (every model segment says it, the guide off too: one schema whatever the settings)
             **({"guided": {"forced_tokens": self.forced_tokens, "steered_tokens": self.steered_tokens}}
-               if self.kind == "model" and self.provenance is not None else {}),
+               if self.kind == "model" else {}),
         }
 
 

@@ -21,7 +21,7 @@ import app  # noqa: E402,F401  (before torch: one intra-op thread in every threa
 import torch  # noqa: E402
 
 from app.decoding.stops import Detokenizer  # noqa: E402
-from app.engine.prompt import default_prompt_template
+from app.protocols.textenv_prompt import default_prompt_template
 from app.engine.engine import Engine  # noqa: E402
 from app.episode import TextDelta
 from app.backends.local import LocalBackend  # noqa: E402

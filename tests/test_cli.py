@@ -123,20 +123,21 @@ def test_help_tool_and_mistakes_never_import_the_model_stack(args, code):
 
 
 def test_no_guide_lets_the_model_write_alone_and_the_guide_says_what_it_chose():
-    """--no-guide: episodes with "guide": false and no segment "guided"; with the guide (the default) the text
+    """--no-guide: episodes with "guide": false and every model segment's "guided" zero; with the guide (the default) the text
     output's status line of a segment says what it forced (the look-up's entry opens the answer)."""
     out = cli("ask", "What does kludge mean?", "What is 12 * 9?", "--json", "--no-guide", "--max-new-tokens", "32")
     assert out.returncode == 0, out.stderr
     results = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(results) == 2 and all(r["guide"] is False for r in results)
-    assert all("guided" not in s for r in results for s in r["segments"])
+    assert all(s["guided"] == {"forced_tokens": 0, "steered_tokens": 0}  # (given whatever the settings)
+               for r in results for s in r["segments"] if s["kind"] == "model")
     out = cli("ask", "What does kludge mean?", "--guide", "--max-new-tokens", "32")
     assert out.returncode == 0, out.stderr
     assert re.search(r"\d+ generated · \d+ ms · guided: \d+ forced", out.stdout), out.stdout
 
 
 def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
-    from app.engine.prompt import render_prompt
+    from app.protocols.textenv_prompt import render_prompt
     from app.protocol import encode
     from app.tools.registry import get_tools
 

@@ -151,7 +151,9 @@ def test_with_the_guide_off_every_generated_token_is_the_models(tiny_llama):
     _, episode = guided_turn(tiny_llama, "<request><Search>grok<call>", "\nResult = made up<submit>", guide=False)
     assert episode.segments[-1].text == "\nResult = made up<submit>"
     assert all(p in ("user", "tool", "model") for p in episode.provenance)
-    assert "guided" not in episode.to_json()["segments"][0] and episode.to_json()["guide"] is False
+    # (every model segment says "guided", the guide off too: one JSON schema whatever the settings)
+    assert episode.to_json()["segments"][0]["guided"] == {"forced_tokens": 0, "steered_tokens": 0}
+    assert episode.to_json()["guide"] is False
     assert all(s.guided_label == "" for s in episode.segments)
 
 

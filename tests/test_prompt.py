@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from app.engine.prompt import PromptError, default_prompt_template, fill_examples, render_prompt
+from app.protocols.textenv_prompt import PromptError, default_prompt_template, fill_examples, render_prompt
 from app.engine.engine import Engine
 from app.protocol import CALL, RESPONSE, SUBMIT
 from app.settings import InputError

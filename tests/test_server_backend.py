@@ -30,7 +30,7 @@ from app.backends.server import ServerBackend
 from app.backends.server_client import ModelServer
 from app.decoding.stops import Limit, StopReason
 from app.engine.comparisons import compare
-from app.engine.prompt import default_prompt_template
+from app.protocols.textenv_prompt import default_prompt_template
 from app.engine.engine import Engine
 from app.episode import SegmentFinished, TextDelta
 from app.episode import Provenance

@@ -24,7 +24,6 @@ from app.episode import Provenance, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import LoadedModel
 from app.model.scheduler import Cancelled, PassResult, Scheduler
-from app.protocol import STOP_STRINGS
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -52,7 +51,7 @@ class LocalBackend:
         self.name = f"in-process ({loaded.name}, {loaded.weights})"
         self.special_token_texts = loaded.special_token_texts
         self.kv_bytes_per_token = loaded.kv_bytes_per_token
-        self.stops = StopChecker(STOP_STRINGS, loaded.eos_ids)  # built once, shared by every segment
+        self._stops: dict[tuple[str, ...], StopChecker] = {}  # by stop strings (a protocol's), built once each
         cfg = loaded.model.config.get_text_config()
         # a batch's rows at once where the scheduler batches them into one pass; else one after another
         self.parallel = self.scheduler.max_rows if self.scheduler.ragged else 1
@@ -70,6 +69,14 @@ class LocalBackend:
     @property
     def weights(self) -> str:
         return self.loaded.weights
+
+    def stops(self, strings: tuple[str, ...]) -> StopChecker:
+        """The stop check for a protocol's stop strings and this model's EOS, shared by every segment."""
+        with self.lock:
+            checker = self._stops.get(strings)
+            if checker is None:
+                checker = self._stops[strings] = StopChecker(strings, self.loaded.eos_ids)
+            return checker
 
     @functools.cached_property
     def guide_vocab(self) -> GuideVocab:
@@ -105,8 +112,8 @@ class LocalBackend:
         if not settings.use_cache:
             cache.drop_kv()
         guide = None if run.grammar is None else self.guide_vocab.matcher(run.grammar)
-        steps = LocalSegment(self.tokenizer, self.lock, self.stops, self.scheduler, cache, settings, cancel, run,
-                             generator, guide)
+        steps = LocalSegment(self.tokenizer, self.lock, self.stops(run.stop_strings), self.scheduler, cache,
+                             settings, cancel, run, generator, guide)
         request = None
         try:
             keep = steps.next_pass()

@@ -33,7 +33,7 @@ from app.decoding.guide_matcher import GuideError, GuideVocab, replay
 from app.episode import Limit, Provenance, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import load_tokenizer, special_token_texts
-from app.protocol import STOP_STRINGS, encode
+from app.protocol import encode
 
 if TYPE_CHECKING:
     import torch
@@ -85,8 +85,8 @@ class LlamaCpp:
         server.post_json(self.path, {"prompt": ids, "n_predict": 0, "cache_prompt": True})  # evaluate, generate none
 
     def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int,
-                grammar: str | None = None) -> dict:
-        body = {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(STOP_STRINGS),
+                grammar: str | None = None, stops: tuple[str, ...] = ()) -> dict:
+        body = {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(stops),
                 "cache_prompt": settings.use_cache, "return_tokens": True, "timings_per_token": True,
                 "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0, "min_p": 0.0,
                 "seed": seed}
@@ -143,9 +143,9 @@ class Vllm:
         server.post_json(self.path, {"model": self.model, "prompt": ids, "max_tokens": 1})  # vLLM needs >= 1
 
     def request(self, ids: list[int], settings: Settings, max_tokens: int, seed: int,
-                grammar: str | None = None) -> dict:
+                grammar: str | None = None, stops: tuple[str, ...] = ()) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "stop": list(STOP_STRINGS),
+                "stream_options": {"include_usage": True}, "stop": list(stops),
                 "include_stop_str_in_output": True, "return_token_ids": True,
                 "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
         if not settings.use_cache:
@@ -259,7 +259,8 @@ class ServerBackend:
         max_tokens = min(settings.max_new_tokens, room)
         limit = Limit.MAX_LENGTH if room <= settings.max_new_tokens else Limit.MAX_NEW_TOKENS
         # a seed per position: reproducible, yet each segment samples differently
-        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32, run.grammar)
+        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32, run.grammar,
+                                    run.stop_strings)
         run.prefill_tokens = run.cached_tokens = None  # until the server reports them
         texts: list[str] = []
         exact = True  # every generated id came back (llama.cpp skips those of a character split across tokens)
@@ -276,7 +277,7 @@ class ServerBackend:
                     run.generated_tokens += len(piece.tokens)
                     if piece.end is not None:
                         generated = max(run.generated_tokens, piece.predicted or 0)
-                        run.stop = self._stop(piece.end, limit, generated, max_tokens)
+                        run.stop = self._stop(piece.end, limit, generated, max_tokens, run.stop_strings)
                     texts.append(piece.text)
                     if piece.text:
                         yield piece.text
@@ -343,11 +344,11 @@ class ServerBackend:
         if generated + len(piece.tokens) > max_tokens:
             raise BackendError(f"model server {self.server.url} generated more than the {max_tokens} tokens asked")
 
-    def _stop(self, end: End, limit: Limit, generated: int, max_tokens: int) -> Stop:
+    def _stop(self, end: End, limit: Limit, generated: int, max_tokens: int, stops: tuple[str, ...]) -> Stop:
         """The server's end as a Stop. `limit`: which budget set max_tokens (the session's max_length when it
         left no more room than max_new_tokens, as the in-process path reports it)."""
         if end.kind == "string":
-            if end.string not in STOP_STRINGS:
+            if end.string not in stops:
                 raise BackendError(f"model server {self.server.url} stopped at {end.string!r}, not a stop string")
             return Stop(StopReason.STRING_MATCH, string=end.string)
         if end.kind == "eos":

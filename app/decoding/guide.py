@@ -23,7 +23,7 @@ from app.protocol import ANSWER_PREFIX, CALL, REQUEST, RESPONSE, SUBMIT
 from app.tools.base import Tool
 from app.tools.registry import find_tool
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the Calculator's output (app.tools.numbers.format_number)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the Calculator's output (app.tools.numbers.format_number)
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def build_guide(tools: Mapping[str, int], owed: str | None = None, calls: bool =
     lines = [f"root ::= {literal(chr(10)) + '? ' if after_tool else ''}({' | '.join(replies)})"]
     if owed is None:
         lines.append(f"answer ::= {literal(ANSWER_PREFIX)} text end")
-    elif _NUMBER.fullmatch(owed):  # no more of the number after it ("943" is not "9431" or "943.5")
+    elif NUMBER.fullmatch(owed):  # no more of the number after it ("943" is not "9431" or "943.5")
         lines.append(f"answer ::= {literal(ANSWER_PREFIX + ' ' + owed)} after")
         lines.append('after ::= end | [^0-9.,eE\\n<] text end | [.,] ([^0-9\\n<] text)? end')
     else:

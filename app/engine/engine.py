@@ -24,15 +24,13 @@ from typing import Generator
 from transformers import DynamicCache
 
 from app.backends.base import Backend, SegmentRun
-from app.decoding.guide import Guide, segment_guide
+from app.decoding.guide import Guide
 from app.decoding.stops import Holdback, tokens_before
-from app.engine.prompt import PromptError, default_prompt_template, render_prompt
 from app.engine.session import Session
 from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished, SegmentStarted,
                          Stop, StopReason, TextDelta)
 from app.model.kvcache import TokenCache, kv_nbytes
-from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, ToolCallError, calls_tool, encode,
-                          neutralize, parse_tool_call)
+from app.protocols import PromptError, Protocol, ToolCall, ToolCallError, make_protocol
 from app.settings import InputError, Settings, clean_question, require_utf8
 from app.tools.base import Tool
 from app.tools.registry import default_tools, run_tool
@@ -46,19 +44,22 @@ class Engine:
     PROMPT_CACHE_SIZE = 4
 
     def __init__(self, backend: Backend, tools: Mapping[str, Tool] | None = None,
-                 prompt: str | None = None):
+                 prompt: str | None = None, protocol: str | Protocol = "textenv"):
         self.backend = backend
         self.tools = dict(default_tools() if tools is None else tools)
-        self.prompt = render_prompt(default_prompt_template() if prompt is None else prompt, self.tools)
-        self._specials = self.backend.special_token_texts
+        with backend.lock:  # (the tokenizer)
+            self.protocol = protocol if isinstance(protocol, Protocol) else make_protocol(
+                protocol, backend.tokenizer, backend.special_token_texts)
+            self.prompt = self.protocol.render_prompt(
+                self.protocol.default_template() if prompt is None else prompt, self.tools)
         self._prompt_caches: OrderedDict[str, TokenCache] = OrderedDict()
         self._released: weakref.WeakSet[DynamicCache] = weakref.WeakSet()  # let go of, while anything reads them
         self._prompt_lock = threading.Lock()
         self.context_limit = self.backend.context_limit
 
-    def _encode(self, text: str) -> list[int]:
+    def _prompt_ids(self, prompt: str) -> list[int]:
         with self.backend.lock:
-            return encode(self.backend.tokenizer, text)
+            return self.protocol.prompt_ids(prompt)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         with self.backend.lock:
@@ -90,7 +91,8 @@ class Engine:
     def new_session(self, prompt: str | None = None, use_cache: bool = True, seed: int = 0) -> Session:
         """A session starting from the (rendered) prompt, forked from its shared prefilled cache."""
         try:
-            prompt = self.prompt if prompt is None else render_prompt(prompt, self.tools)
+            with self.backend.lock:
+                prompt = self.prompt if prompt is None else self.protocol.render_prompt(prompt, self.tools)
         except PromptError as error:  # a visitor's prompt whose example the tool rejects
             raise InputError(str(error)) from None
         base = self._prompt_cache(prompt, prefill=use_cache)
@@ -103,7 +105,7 @@ class Engine:
             base = self._prompt_caches.get(prompt)
             if base is None:
                 require_utf8(prompt, "the system prompt")
-                base = TokenCache(self._encode(prompt))
+                base = TokenCache(self._prompt_ids(prompt))
                 if not base.ids:
                     raise InputError("the system prompt is empty")
                 if len(base) >= self.context_limit:
@@ -132,8 +134,8 @@ class Engine:
     def query_ids(self, session: Session, question: str, settings: Settings) -> list[int]:
         """The tokens a turn adds for its (clean) question; InputError when they leave no room under max_length
         (checked by a caller too, before it replaces a chat with a new session for this question)."""
-        separator = "\n\n" if session.episodes else ""
-        query_ids = self._encode(f"{separator}{QUESTION_PREFIX}{neutralize(question, self._specials)}\n")
+        with self.backend.lock:
+            query_ids = self.protocol.query_ids(question, session.cache.ids[-8:], first=not session.episodes)
         used = len(session.cache)
         if used + len(query_ids) >= settings.max_length:
             advice = ("start a new chat or raise max_length" if session.episodes else
@@ -153,18 +155,21 @@ class Engine:
         session.episodes.append(episode)
         started = time.perf_counter()
         try:
-            claimed = self.claimed_call(question, settings, room=settings.max_length - len(cache))
+            claimed = self._claimed(question, settings, room=settings.max_length - len(cache))
             after: Segment | None = None  # the tool segment this model segment follows
-            for calls in count():
+            for calls in count():  # (model segments that called tools: max_turns bounds them)
                 guide = self.guide(settings, claimed if calls == 0 else None, after, calls < settings.max_turns)
                 segment = yield from self._model_segment(session, episode, settings, cancel, row, guide)
-                if not calls_tool(segment.stop.string, segment.text):
+                requested = self.protocol.calls(segment, cache.ids[segment.start:segment.end], self.tools)
+                if not requested:
                     break
                 if calls >= settings.max_turns:
                     episode.unrun_call = True  # (recorded here, where the call is left unrun)
                     break
-                if cancel is None or not cancel.is_set():  # Stop during the step that wrote <call>: no tool
-                    yield from self._tool_segment(session, episode, segment, settings, row)
+                if cancel is None or not cancel.is_set():  # Stop during the step that wrote the call: no tool
+                    for index, call in enumerate(requested):  # (several calls in one segment: in order)
+                        yield from self._tool_segment(session, episode, segment, call, index, len(requested),
+                                                      settings, row)
                     after = episode.segments[-1]
                 # (when cancelled, the next model segment records the stop with zero tokens and the turn ends)
         finally:
@@ -179,11 +184,17 @@ class Engine:
             bases = list(self._prompt_caches.values())
         any(cache.reuse(base, share=self.backend.shares_prefix) for base in bases)
 
-    def guide(self, settings: Settings, claimed: str | None, after: Segment | None, calls: bool) -> Guide | None:
-        """A model segment's guide, None with the guide off (app.decoding.guide.segment_guide)."""
-        return segment_guide(self.tools, claimed, after, calls) if settings.guide else None
+    def guide(self, settings: Settings, claimed: ToolCall | None, after: Segment | None,
+              calls: bool) -> Guide | None:
+        """A model segment's guide (the protocol's), None with the guide off."""
+        return self.protocol.guide(self.tools, claimed, after, calls) if settings.guide else None
 
     def claimed_call(self, question: str, settings: Settings | None = None, room: int | None = None) -> str | None:
+        """The text of the call a question's reply is (`_claimed`), as the protocol writes it; else None."""
+        call = self._claimed(question, settings, room)
+        return None if call is None else self.protocol.call_text(call, self.tools)
+
+    def _claimed(self, question: str, settings: Settings | None = None, room: int | None = None) -> ToolCall | None:
         """The call a question's reply is, written by the engine, where one of the session's tools claims it
         (Tool.claims) and the guide is on; else None: the model chooses. None too where it could not run
         (max_turns 0) or be written whole (max_new_tokens, `room` left in max_length)."""
@@ -191,33 +202,40 @@ class Engine:
             return None
         for tool in self.tools.values():
             if tool.claims is not None and (query := tool.claims(question)):
-                call = f"{REQUEST}<{tool.name}>{query}{CALL}"
+                call = ToolCall(tool.name, query)
                 if settings is None:
                     return call
                 limit = settings.max_new_tokens if room is None else min(settings.max_new_tokens, room)
-                return call if len(self._encode(call)) < limit else None
+                return call if len(self._opening_ids(self.protocol.call_text(call, self.tools))) < limit else None
         return None
+
+    def _opening_ids(self, text: str) -> list[int]:
+        """The ids of text the engine writes into a model segment (a claimed call)."""
+        with self.backend.lock:
+            return self.backend.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
                        cancel: threading.Event | None, row: int,
                        guide: Guide | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
-        run = SegmentRun(grammar=guide.grammar if guide else None, provenance=[] if guide else None)
+        run = SegmentRun(stop_strings=self.protocol.stop_strings, grammar=guide.grammar if guide else None,
+                         provenance=[] if guide else None)
         yield SegmentStarted(row, "model")
         try:
             if len(cache) >= settings.max_length:
                 run.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
             else:
-                stream = Holdback(CUT_STOPS)  # text that may start a cut stop string waits for the next token
+                stream = Holdback(self.protocol.cut_stops)  # text that may start a cut stop waits for the next token
                 if guide is not None and guide.opening:  # the engine's own text: forced, and fits (claimed_call)
-                    opening = self._encode(guide.opening)
+                    opening = self._opening_ids(guide.opening)
                     cache.extend(opening)
                     run.provenance += [Provenance.FORCED] * len(opening)
                     if shown := stream.push(guide.opening):
                         yield TextDelta(row, shown)
-                    if guide.opening.endswith(CALL):  # the whole reply: generation stops at this stop string
-                        run.stop = Stop(StopReason.STRING_MATCH, string=CALL)
+                    ending = next((s for s in self.protocol.stop_strings if guide.opening.endswith(s)), None)
+                    if ending is not None:  # the whole reply: generation stops at this stop string
+                        run.stop = Stop(StopReason.STRING_MATCH, string=ending)
                 if run.stop is None:
                     # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
                     with closing(self.backend.run_segment(cache, settings, cancel, run, session.generator)) as deltas:
@@ -225,7 +243,7 @@ class Engine:
                             if shown := stream.push(delta):
                                 yield TextDelta(row, shown)
                 end = None
-                if run.stop is not None and run.stop.string in CUT_STOPS:  # not part of the answer
+                if run.stop is not None and run.stop.string in self.protocol.cut_stops:  # not part of the answer
                     end = self._cut(cache, start, run.stop.string)
                 if rest := stream.close(end):
                     yield TextDelta(row, rest)
@@ -251,31 +269,30 @@ class Engine:
         cache.truncate(start + tokens_before(ends, kept))
         return kept
 
-    def _tool_segment(self, session: Session, episode: Episode, call_segment: Segment, settings: Settings,
-                      row: int) -> Iterator[Event]:
+    def _tool_segment(self, session: Session, episode: Episode, call_segment: Segment, call: ToolCall | ToolCallError,
+                      index: int, count: int, settings: Settings, row: int) -> Iterator[Event]:
+        """Run call `index` of the `count` that `call_segment` asks for (or say what is wrong with it) and append
+        its result as the protocol writes it."""
         began = time.perf_counter()
         yield SegmentStarted(row, "tool")
-        try:
-            call = parse_tool_call(call_segment.text)
-            name, query = call.name, call.query
-            result = run_tool(self.tools, name, query)
-            text, ok, ran = result.text, result.ok, result.ran
-        except ToolCallError as error:
-            name, query, text, ok, ran = None, None, f"error: {error}", False, None
-        text = neutralize(text, self._specials)
-        if len(text) > settings.max_tool_response:
-            text = text[: settings.max_tool_response - 1] + "…"
-        if call_segment.stop.string == RESPONSE:  # the model wrote <response> where <call> belongs (now cut):
-            text = CALL + text  # the request is closed by the engine, in this inserted (not generated) text
+        if isinstance(call, ToolCallError):
+            name, query, text, ok, ran = None, None, f"error: {call}", False, None
+        else:
+            result = run_tool(self.tools, call.name, call.query)
+            name, query, text, ok, ran = call.name, call.query, result.text, result.ok, result.ran
         cache = session.cache
-        whole = self._encode(text + RESPONSE)
+        with self.backend.lock:
+            text = self.protocol.neutralize(text)
+            if len(text) > settings.max_tool_response:
+                text = text[: settings.max_tool_response - 1] + "…"
+            whole = self.protocol.result_ids(call_segment, cache.ids[-8:], text, index, count)
         ids = whole[: max(0, settings.max_length - len(cache))]  # never past the session's budget
         start = len(cache)
         cache.extend(ids)
         inserted = self._decode(ids)
         cut = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH) if len(ids) < len(whole) else None  # (shown)
         segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok, ran=ran,
-                          ms=(time.perf_counter() - began) * 1000)
+                          result=text, ms=(time.perf_counter() - began) * 1000)
         episode.segments.append(segment)
         yield SegmentFinished(row, segment)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from app.backends.base import Backend, BackendStats
 from app.backends.select import load_backend
-from app.engine.prompt import default_prompt_template
+from app.protocols.textenv_prompt import default_prompt_template
 from app.engine.session import Session
 from app.engine.engine import Engine
 from app.model.kvcache import kv_nbytes

@@ -42,6 +42,9 @@ class Tool:
     # written in symbols); None where the model decides
     claims: Callable[[str], str | None] | None = None
     max_query: int = 200  # the longest input a guided call writes (app.decoding.guide): where it is reached, the call ends
+    # the tool as a typed function of its one argument, with a docstring (app.tools.functions): its JSON schema is
+    # what the chat protocol lists, validates calls against and guides; None: the tool has no chat form
+    typed: Callable[..., str] | None = None
 
 
 @dataclass(frozen=True)

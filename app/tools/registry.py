@@ -23,14 +23,16 @@ log = logging.getLogger(__name__)
 
 def default_tools() -> dict[str, Tool]:
     """All built-in tools by name, as a fresh dict on every call."""
+    from app.tools import functions
     from app.tools.calculator import calculate, sum_in
     from app.tools.search import GUIDED_QUERY_CHARS, first_entry, search_tool, term_in
 
     tools = [
         Tool("Calculator", "evaluates arithmetic like 12*(3+4) or sqrt(2)", calculate,
-             ability="a calculator", action="calculate", claims=sum_in),
+             ability="a calculator", action="calculate", claims=sum_in, typed=functions.calculator),
         Tool("Search", "searches the Jargon File (hacker slang) for a word or phrase", search_tool, first_entry,
-             ability="the Jargon File", action="look up", claims=term_in, max_query=GUIDED_QUERY_CHARS),
+             ability="the Jargon File", action="look up", claims=term_in, max_query=GUIDED_QUERY_CHARS,
+             typed=functions.search),
     ]
     return {tool.name: tool for tool in tools}
 

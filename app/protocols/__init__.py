@@ -1,0 +1,39 @@
+"""Protocols between model and tools, behind one interface (app.protocols.base.Protocol): `textenv` (TRL's
+TextEnvironment markers, a few-shot prompt) and `chat` (the model's chat template with `tools=`, `<tool_call>` JSON).
+`auto` picks `chat` where the tokenizer's own chat template renders tools, else `textenv`."""
+
+from __future__ import annotations
+
+from app.protocols.base import Protocol, ToolCall, ToolCallError
+from app.protocols.chat import ChatProtocol, chat_template_for
+from app.protocols.chat_template import TemplateError, renders_tools
+from app.protocols.textenv import TextEnvProtocol
+from app.protocols.textenv_prompt import PromptError
+
+PROTOCOLS = ("auto", "textenv", "chat")
+
+
+def resolve(name: str, tokenizer) -> str:
+    """The protocol `name` means for this tokenizer: `auto` is `chat` where its own template renders tools."""
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {name!r} (choose one of {', '.join(PROTOCOLS)})")
+    if name != "auto":
+        return name
+    return "chat" if renders_tools(tokenizer) else "textenv"
+
+
+def make_protocol(name: str, tokenizer, special_token_texts: list[str] | tuple[str, ...] = ()) -> Protocol:
+    """The protocol `name` (or `auto`'s choice) for a backend's tokenizer. `chat` renders with the tokenizer's own
+    template where it renders tools, else with the project's (assets/chat_template.jinja); ValueError where that
+    template cannot follow a tool conversation."""
+    chosen = resolve(name, tokenizer)
+    if chosen == "textenv":
+        return TextEnvProtocol(tokenizer, special_token_texts)
+    try:
+        return ChatProtocol(tokenizer, special_token_texts, chat_template_for(tokenizer))
+    except TemplateError as error:
+        raise ValueError(f"protocol chat: {error}") from None
+
+
+__all__ = ["Protocol", "ToolCall", "ToolCallError", "ChatProtocol", "TextEnvProtocol", "PROTOCOLS", "PromptError",
+           "make_protocol", "resolve"]

@@ -1,0 +1,65 @@
+"""What a protocol is: how a session's text is written as token ids, where a model segment stops, how a tool call is
+read from it and how the tool's result goes back, what untrusted text may not forge, and the guide's grammar.
+
+The engine (app.engine.engine) knows only this interface; two protocols implement it: app.protocols.textenv (TRL's
+TextEnvironment markers) and app.protocols.chat (the model's chat template with `tools=`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from app.decoding.guide import Guide
+from app.episode import Segment
+from app.protocol import ToolCall, ToolCallError  # (a call, and a malformed one: every protocol's)
+from app.tools.base import Tool
+
+
+class Protocol(ABC):
+    """One way for model and tools to talk. Built per backend and tool set (it reads the tokenizer); immutable."""
+
+    name: str
+    stop_strings: tuple[str, ...]  # where a model segment stops (with EOS and the length limits)
+    cut_stops: frozenset[str] = frozenset()  # stop strings dropped from the segment's tokens (not part of it)
+
+    @abstractmethod
+    def default_template(self) -> str:
+        """The prompt template a session starts from (a file in assets/), editable on the page."""
+
+    @abstractmethod
+    def render_prompt(self, template: str, tools: Mapping[str, Tool]) -> str:
+        """The system prompt the model reads, examples filled in by the tools (app.engine.prompt's rules); raises
+        app.engine.prompt.PromptError where an example's tool rejects it."""
+
+    @abstractmethod
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """A rendered prompt's token ids."""
+
+    @abstractmethod
+    def query_ids(self, question: str, ids: list[int], first: bool) -> list[int]:
+        """The ids a turn adds for its (clean, untrusted) question after the session's `ids`; `first`: no turn
+        before it."""
+
+    @abstractmethod
+    def calls(self, segment: Segment, ids: list[int], tools: Mapping[str, Tool]) -> list[ToolCall | ToolCallError]:
+        """The tool calls a finished model segment asks for, in order (empty: it answered); a malformed call is a
+        ToolCallError in its place. `ids`: the segment's token ids."""
+
+    @abstractmethod
+    def result_ids(self, segment: Segment, ids: list[int], text: str, index: int, count: int) -> list[int]:
+        """The ids of call `index` of `count`'s (neutralized) result `text`, appended after the calling segment
+        (`segment`, its `ids`) or the previous result: the next model segment resumes right after the last."""
+
+    @abstractmethod
+    def neutralize(self, text: str) -> str:
+        """Untrusted text (a question, a tool's output) made unable to forge a marker or a special token."""
+
+    @abstractmethod
+    def guide(self, tools: Mapping[str, Tool], claimed: ToolCall | None, after: Segment | None,
+              calls: bool) -> Guide:
+        """A model segment's guide: the claimed call (written by the engine), else what the model may write after
+        the question or after `after`, a tool segment; `calls`: whether another call may run (max_turns)."""
+
+    @abstractmethod
+    def call_text(self, call: ToolCall, tools: Mapping[str, Tool]) -> str:
+        """The text of `call` as the model writes it, ending with the stop string that ends a call."""
