@@ -7,13 +7,14 @@ model stack (app.engine, app.backends.base) only when it runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
 from app.episode import Episode, EpisodeFinished, SegmentFinished, TextDelta, count_text
-from app.settings import DEFAULT_MAX_LENGTH, Settings, clean_question
+from app.settings import DEFAULT_MAX_LENGTH, PROTOCOLS, Settings, clean_question
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--prompt", type=Path,
                      help="a few-shot system prompt file ({tools} lists the tools; {abilities}, {actions} name them)")
     ask.add_argument("--tools", help="comma-separated tool names, e.g. Calculator,Search")
+    ask.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                     help="how model and tools talk: textenv (TRL TextEnvironment markers), chat (the model's chat "
+                          "template with tools, <tool_call> JSON) or auto (default: the PROTOCOL environment "
+                          "variable, else auto: chat where the model's own template renders tools)")
     ask.add_argument("--json", action="store_true", help="one JSON object per question, one per line")
     tool = sub.add_parser("tool", help="run one tool and print what the model would read")
     tool.add_argument("name")
@@ -80,9 +85,10 @@ def _ask(args) -> int:
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
                         max_tool_response=args.max_tool_response, temperature=args.temperature,
                         top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed,
-                        draft_tokens=args.draft_tokens, guide=args.guide)
+                        draft_tokens=args.draft_tokens, guide=args.guide, protocol=args.protocol)
     # Everything a user can get wrong is checked before the model loads (seconds).
-    settings.validated(context_limit=10**6)
+    settings = settings.validated(context_limit=10**6)
+    settings = dataclasses.replace(settings, max_length=args.max_length)  # (None: resolved once the backend loads)
     for question in args.questions:
         clean_question(question)
     tools = get_tools(args.tools.split(",") if args.tools else None)
@@ -91,7 +97,7 @@ def _ask(args) -> int:
     from app.engine.engine import Engine
     from app.episode import in_row_order
 
-    engine = Engine(load_backend(), tools=tools, prompt=prompt)
+    engine = Engine(load_backend(), tools=tools, prompt=prompt, protocol=settings.protocol)
     settings = settings.validated(engine.context_limit)  # (--max-length not given: what fits this backend)
     failed = 0
     for event in in_row_order(engine.stream_batch(args.questions, settings)):  # the rows run at once

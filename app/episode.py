@@ -149,6 +149,7 @@ class Episode:
     error: str | None = None  # why the turn failed (the model or its server raised), when it did
     unrun_call: bool = False  # the answer ended with a tool call that max_turns left unrun
     guide: bool = False  # whether the guide (app.decoding.guide) shaped the model segments
+    protocol: str = ""  # how model and tools talked (app.protocols: textenv or chat)
 
     UNRUN_NOTE = "the last tool call was not run: max_turns (tool calls per answer) was reached"
 
@@ -209,6 +210,7 @@ class Episode:
             "question": self.question,
             "answer": self.answer,
             "backend": self.backend,
+            "protocol": self.protocol,
             "total_tokens": self.total_tokens,
             "cache": {"enabled": self.use_cache, "prefill_tokens": self.prefill_tokens,
                       "reused_tokens": self.reused_tokens},

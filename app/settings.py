@@ -6,11 +6,19 @@ a shared leaf that every layer imports from here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 MAX_QUESTION_CHARS = 4000
 DEFAULT_MAX_LENGTH = 4096  # a session's token budget where none is given, unless the backend's context is shorter
 MIN_TEMPERATURE = 0.01  # below it sampling is greedy in all but name, and tiny values overflow logits / temperature
+# how model and tools talk (app.protocols): auto picks chat where the model's own chat template renders tools
+PROTOCOLS = ("auto", "textenv", "chat")
+
+
+def default_protocol() -> str:
+    """The protocol where none is given: the PROTOCOL environment variable, else auto."""
+    return os.environ.get("PROTOCOL", "").strip().lower() or "auto"
 
 
 class InputError(ValueError):
@@ -33,11 +41,14 @@ class Settings:
     seed: int = 0
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
     guide: bool = True  # guided answers (app.decoding.guide): a grammar per segment, every token it decides shown as such
+    protocol: str | None = None  # one of PROTOCOLS; None: default_protocol() (chosen by validated())
 
     def validated(self, context_limit: int, default_max_length: int = DEFAULT_MAX_LENGTH) -> "Settings":
         """These settings for a backend that holds `context_limit` tokens a session, or InputError for the first
         mistake. A max_length not given becomes the smaller of `default_max_length` and that context; one given
         above the context is refused."""
+        if self.protocol is None:
+            return replace(self, protocol=default_protocol()).validated(context_limit, default_max_length)
         if self.max_length is None:
             return replace(self, max_length=min(default_max_length, context_limit)).validated(context_limit)
         checks = [
@@ -51,6 +62,7 @@ class Settings:
             (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
             (0 <= self.seed < 2**63, "seed must be between 0 and 2**63 - 1"),
             (isinstance(self.guide, bool), "guide must be true or false"),
+            (self.protocol in PROTOCOLS, f"protocol must be one of {', '.join(PROTOCOLS)} (got {self.protocol!r})"),
         ]
         for ok, message in checks:
             if not ok:

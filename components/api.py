@@ -42,13 +42,14 @@ class ApiHandlers:
 
     def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings, str | None]:
         values, tools, prompt = settings_from_dict(settings)
-        engine = self.engine_for(tools)
+        engine = self.engine_for(tools, values.protocol)
         return engine, values.validated(engine.context_limit, DEFAULTS.max_length), prompt
 
     def api_ask(self, question: str, settings: dict | None = None) -> dict:
         """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON).
         `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
         temperature, top_p, use_cache, seed, draft_tokens, guide (guided answers: true, the default, or false),
+        protocol (auto, the default, textenv or chat),
         tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions})."""
         try:
             engine, values, prompt = self._api_settings(settings)
@@ -74,6 +75,7 @@ class ApiHandlers:
         """Continue this API client's chat (one per client session); yields the growing text of the turn.
         `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
         temperature, top_p, use_cache, seed, draft_tokens, guide (guided answers: true, the default, or false),
+        protocol (auto, the default, textenv or chat),
         tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions}). A change of tools or
         prompt starts a new chat."""
         try:

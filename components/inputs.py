@@ -13,7 +13,7 @@ from app.tools import default_tools
 # the page's and the API's settings; max_length is their default where the backend's context holds it (max_length_for)
 DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
-                "use_cache", "seed", "draft_tokens", "guide")
+                "use_cache", "seed", "draft_tokens", "guide", "protocol")
 FLAGS = ("use_cache", "guide")  # the settings that are true or false
 
 
@@ -113,7 +113,11 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None,
         raise InputError(f"bad settings: {error}") from None
     for name in SETTING_KEYS:
         value = getattr(settings, name)
-        if name == "max_length" and value is None:  # (not given)
+        if name in ("max_length", "protocol") and value is None:  # (not given)
+            continue
+        if name == "protocol":
+            if not isinstance(value, str):
+                raise InputError(f"setting protocol must be text (auto, textenv or chat), got {value!r}")
             continue
         expected = bool if name in FLAGS else (float if name in ("temperature", "top_p") else int)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

@@ -22,6 +22,8 @@ def new_chat_notes(change: ChatChange, tools: Sequence[str]) -> list[str] | None
     if change is ChatChange.TOOLS_CHANGED:
         listed = ", ".join(tools) or "none"
         return [f"Tools changed (now: {listed}), so the system prompt changed: started a new chat."]
+    if change is ChatChange.PROTOCOL_CHANGED:
+        return ["Protocol changed, so the system prompt changed: started a new chat."]
     if change is ChatChange.PROMPT_CHANGED:
         return ["System prompt changed: started a new chat."]
     return []  # (a note about a chat that has since been replaced unanswered is not this one's)

@@ -12,7 +12,8 @@ from tests.support.page import calculator_plan, one_token_per_pass  # noqa: F401
 def test_api_ask_returns_the_episode_json(tiny_llama, calculator_plan):
     service, _ = make_service(tiny_llama, calculator_plan)
     result = service.api_ask("What is 41 * 23?", {"max_new_tokens": 16})
-    assert set(result) == {"question", "answer", "backend", "total_tokens", "cache", "guide", "segments"}
+    assert set(result) == {"question", "answer", "backend", "protocol", "total_tokens", "cache", "guide", "segments"}
+    assert result["protocol"] == "textenv"  # (auto: the bundled tokenizer's own template renders no tools)
     assert result["answer"] == "Result = 943"
     assert [s["kind"] for s in result["segments"]] == ["model", "tool", "model"]
     assert result["segments"][0]["stop_string"] == "<call>" and result["segments"][1]["tool"] == "Calculator"

@@ -100,7 +100,7 @@ def test_tool_set_change_starts_a_new_chat_with_a_note(tiny_llama, calculator_pl
     loaded.model.plan = {}
     chat, _, status, tokens, *_ = turn(service, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
     entry = service.store.peek("page-1")
-    assert plain(status) == "done" and entry.session is not first and entry.engine_key == ("Calculator",)
+    assert plain(status) == "done" and entry.session is not first and entry.engine_key == ("textenv", "Calculator")
     assert chat[0]["metadata"]["title"] == "Note" and "started a new chat" in chat[0]["content"]
     assert [m["role"] for m in chat[1:]][:1] == ["user"] and len(entry.session.episodes) == 1
     assert "- Search:" not in tokens[0][0] and "- Calculator:" in tokens[0][0]

@@ -57,6 +57,11 @@ class Engine:
         self._prompt_lock = threading.Lock()
         self.context_limit = self.backend.context_limit
 
+    @property
+    def key(self) -> tuple[str, ...]:
+        """What a session started by this engine depends on: its protocol and tool set."""
+        return (self.protocol.name, *self.tools)
+
     def _prompt_ids(self, prompt: str) -> list[int]:
         with self.backend.lock:
             return self.protocol.prompt_ids(prompt)
@@ -152,6 +157,7 @@ class Engine:
         cache.extend(query_ids)
         if settings.use_cache and cache.cached == 0:  # evicted: the shared prompt's part need not be recomputed
             self._reuse_prompt(cache)
+        episode.protocol = self.protocol.name
         session.episodes.append(episode)
         started = time.perf_counter()
         try:

@@ -10,7 +10,7 @@ from app.protocols.chat_template import TemplateError, renders_tools
 from app.protocols.textenv import TextEnvProtocol
 from app.protocols.textenv_prompt import PromptError
 
-PROTOCOLS = ("auto", "textenv", "chat")
+from app.settings import PROTOCOLS  # noqa: E402  (auto, textenv, chat)
 
 
 def resolve(name: str, tokenizer) -> str:

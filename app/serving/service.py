@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 
 from app.backends.base import Backend, BackendStats
 from app.backends.select import load_backend
-from app.protocols.textenv_prompt import default_prompt_template
 from app.engine.session import Session
 from app.engine.engine import Engine
 from app.model.kvcache import kv_nbytes
 from app.serving.sessions import Entry, SessionStore, kv_after, kv_reserve
-from app.settings import InputError, Settings
+from app.protocols import resolve
+from app.settings import InputError, Settings, default_protocol
 from app.tools.registry import default_tools, get_tools
 
 WARM_UP_QUESTION = "What is 1 + 1?"  # (warm_up: a turn that calls a tool, on a session nobody sees)
@@ -29,6 +29,7 @@ class ChatChange(enum.Enum):
     STARTED = "started"  # a new session where there was none, or only one without a turn
     TOOLS_CHANGED = "tools changed"  # a new session in place of a chat with turns: another tool set
     PROMPT_CHANGED = "prompt changed"  # a new session in place of a chat with turns: the same tools, another prompt
+    PROTOCOL_CHANGED = "protocol changed"  # a new session in place of a chat with turns: another protocol
 
 
 class Service:
@@ -38,7 +39,7 @@ class Service:
     def __init__(self, loader: Callable[[], Backend] | None = None, store: SessionStore | None = None):
         self._loader = loader or load_backend
         self._backend: Backend | None = None
-        self._engines: dict[tuple[str, ...], Engine] = {}
+        self._engines: dict[tuple[str, ...], Engine] = {}  # by Engine.key: protocol and tool set
         self._lock = threading.Lock()
         self.store = store if store is not None else SessionStore()  # (an empty store is falsy: it has a len)
         self.store.release_shared = self.release_prompts
@@ -61,19 +62,27 @@ class Service:
         backend = self._backend
         return None if backend is None else backend.stats()
 
-    def engine_for(self, tools: Sequence[str] | None) -> Engine:
-        """The engine for a tool subset (None: every tool); engines share the model and are built once."""
+    def engine_for(self, tools: Sequence[str] | None, protocol: str | None = None) -> Engine:
+        """The engine for a tool subset (None: every tool) and protocol (None: the default, app.settings); engines
+        share the model and are built once."""
         available = default_tools()
         try:
             chosen = get_tools(tools)  # case-insensitive, like the CLI's --tools
         except ValueError as error:
             raise InputError(str(error)) from None
-        key = tuple(name for name in available if name in chosen)  # registry order: one engine per subset
+        names = tuple(name for name in available if name in chosen)  # registry order: one engine per subset
         backend = self.backend
+        try:
+            with backend.lock:
+                chosen_protocol = resolve(protocol or default_protocol(), backend.tokenizer)
+        except ValueError as error:
+            raise InputError(str(error)) from None
+        key = (chosen_protocol, *names)
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
-                engine = self._engines[key] = Engine(backend, tools={n: available[n] for n in key})
+                engine = Engine(backend, tools={n: available[n] for n in names}, protocol=chosen_protocol)
+                self._engines[key] = engine
             return engine
 
     def decode(self, ids: list[int]) -> str:
@@ -84,7 +93,7 @@ class Service:
     def warm_up(self, defaults: Settings) -> None:
         """Load the model, prefill the default system prompt and run one short turn on a session of its own, so the
         first visitor does not wait for first-time work (the guide's tables, each kernel's and tool's first run)."""
-        engine = self.engine_for(None)
+        engine = self.engine_for(None, defaults.protocol)
         # (max_length None: the default for this backend, which fits its context; a server's slot may hold < 2,048)
         settings = dataclasses.replace(defaults, max_new_tokens=16, max_length=None)
         engine.ask(engine.new_session(), WARM_UP_QUESTION, settings)
@@ -96,8 +105,7 @@ class Service:
         its chat: created when missing; a different tool set or prompt starts a new chat. A new session that cannot
         take `message` (a prompt too long for max_length) raises before it replaces the chat, so a rejected message
         leaves the old chat as it was."""
-        key = tuple(engine.tools)
-        prompt = default_prompt_template() if prompt is None else prompt
+        prompt = engine.protocol.default_template() if prompt is None else prompt
         current = self.matching_session(entry, engine, prompt)
         if current is not None:
             return current, ChatChange.KEPT
@@ -108,15 +116,17 @@ class Service:
             engine.query_ids(session, message, settings)  # (room for the message, before the chat is replaced)
         if old is None or not old.episodes:
             change = ChatChange.STARTED
+        elif entry.engine_key is not None and entry.engine_key[0] != engine.key[0]:
+            change = ChatChange.PROTOCOL_CHANGED
         else:
-            change = ChatChange.TOOLS_CHANGED if entry.engine_key != key else ChatChange.PROMPT_CHANGED
-        entry.session, entry.engine_key, entry.prompt = session, key, prompt
+            change = ChatChange.TOOLS_CHANGED if entry.engine_key != engine.key else ChatChange.PROMPT_CHANGED
+        entry.session, entry.engine_key, entry.prompt = session, engine.key, prompt
         return session, change
 
     def matching_session(self, entry: Entry, engine: Engine, prompt: str) -> Session | None:
         """The entry's session if it was started with this tool set and prompt (else None)."""
         session = entry.session
-        if session is not None and entry.engine_key == tuple(engine.tools) and entry.prompt == prompt:
+        if session is not None and entry.engine_key == engine.key and entry.prompt == prompt:
             return session
         return None
 

@@ -100,7 +100,7 @@ class Entry:
     and hashed by identity, so the page can key its own record by the entry (it goes when the entry goes)."""
 
     session: Session | None = None
-    engine_key: tuple[str, ...] | None = None  # the tool set the session's system prompt lists
+    engine_key: tuple[str, ...] | None = None  # its engine's key: the protocol and the tool set its prompt lists
     prompt: str | None = None  # the prompt template the session started from (None: the engine's default)
     chat_stop: StopSignal = field(default_factory=StopSignal)  # the Chat tab's Stop: chat turns and Compare
     batch_stop: StopSignal = field(default_factory=StopSignal)  # the Batch tab's Stop
