@@ -299,7 +299,7 @@ def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(t
     assert system[1] == "system" and system[0].startswith("You are Custom Bot. Tools you may call:\n- Calculator:")
     assert "- Search:" not in system[0] and "{tools}" not in system[0]
     entry = service.store.peek("page-1")
-    assert entry.prompt == custom and entry.engine_key == ("Calculator",)
+    assert entry.prompt == custom and entry.engine_key == ("textenv", "Calculator")
     first = entry.session
     # same prompt again: the chat continues
     turn(service, "more", tools=["Calculator"], prompt=custom, max_new_tokens=2)
