@@ -160,13 +160,15 @@ class ForcedModel(torch.nn.Module):
 
 
 class WritingModel(ForcedModel):
-    """A ForcedModel that writes `pieces[i]` after the i-th tool output (`<response>`) of its session: each pass
-    makes the next token of whatever part of the piece the session's ids do not end with yet its argmax, so
-    tokens a guide forced or steered in between are taken into account."""
+    """A ForcedModel that writes `pieces[i]` after the i-th tool output (`marker`, textenv's `<response>`) of its
+    session: each pass makes the next token of whatever part of the piece the session's ids do not end with yet
+    its argmax, so tokens a guide forced or steered in between are taken into account. `specials`: special-token
+    texts in the pieces are those tokens (a chat model's `<|im_end|>`)."""
 
-    def __init__(self, base: torch.nn.Module, tokenizer, pieces: tuple[str, ...]):
+    def __init__(self, base: torch.nn.Module, tokenizer, pieces: tuple[str, ...], marker: str = "<response>",
+                 specials: bool = False):
         super().__init__(base)
-        self.tokenizer, self.pieces, self.ids = tokenizer, pieces, []
+        self.tokenizer, self.pieces, self.ids, self.marker, self.specials = tokenizer, pieces, [], marker, specials
 
     def forward(self, input_ids, **kwargs):
         past = kwargs.get("cache")
@@ -174,18 +176,20 @@ class WritingModel(ForcedModel):
             self.ids = []
         self.ids += input_ids[0].tolist()
         written = self.tokenizer.decode(self.ids)
-        text = self.pieces[min(written.count("<response>"), len(self.pieces) - 1)]
+        text = self.pieces[min(written.count(self.marker), len(self.pieces) - 1)]
         written = written[-len(text) - 1:]
         k = next(k for k in range(min(len(text), len(written)), -1, -1) if written.endswith(text[:k]))
-        rest = encode(self.tokenizer, text[k:])
+        rest = (self.tokenizer(text[k:], add_special_tokens=False)["input_ids"] if self.specials
+                else encode(self.tokenizer, text[k:]))
         self.plan = {self.step: rest[0]} if rest else {}
         return super().forward(input_ids, **kwargs)
 
 
-def writing(backend: LocalBackend, *pieces: str) -> LocalBackend:
+def writing(backend: LocalBackend, *pieces: str, marker: str = "<response>", specials: bool = False) -> LocalBackend:
     """A backend whose model writes `pieces`, one after each tool output (WritingModel)."""
     loaded = backend.loaded
-    return LocalBackend(dataclasses.replace(loaded, model=WritingModel(loaded.model, loaded.tokenizer, pieces)))
+    model = WritingModel(loaded.model, loaded.tokenizer, pieces, marker, specials)
+    return LocalBackend(dataclasses.replace(loaded, model=model))
 
 
 def forced(backend: LocalBackend, plan: dict[int, int] | None = None,

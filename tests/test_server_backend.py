@@ -456,3 +456,19 @@ def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_t
         assert outputs[-1][2] == "done"
         assert service.store.get("page-1").session.episodes[-1].answer.startswith("Result = 943")
         httpd.shutdown()
+
+
+@pytest.mark.parametrize("guide", [False, True])
+def test_chat_protocol_through_the_server(backend, guide):
+    """The chat protocol's ids in, the server's tokens out: it stops at `</tool_call>` (the stop string sent with
+    the request), the result goes back as the template's ids, the answer ends at EOS; with the guide on, the
+    grammar (sent as `grammar`) keeps the call to the session's tools."""
+    engine = Engine(backend, protocol="chat")
+    session = engine.new_session()
+    settings = replace(SETTINGS, guide=guide, max_new_tokens=64)
+    episode = engine.ask(session, "What is 41 * 23?", settings)
+    model, tool, answer = episode.segments
+    assert (model.stop.reason, model.stop.string) == (StopReason.STRING_MATCH, "</tool_call>")
+    assert text_of(backend, session.cache.ids[model.start:model.end]).endswith("</tool_call>")
+    assert tool.result == "943" and answer.stop.reason is StopReason.EOS
+    assert episode.answer == "Result = 943" and episode.protocol == "chat"

@@ -281,14 +281,14 @@ class Engine:
         its result as the protocol writes it."""
         began = time.perf_counter()
         yield SegmentStarted(row, "tool")
-        if isinstance(call, ToolCallError):
-            name, query, text, ok, ran = None, None, f"error: {call}", False, None
-        else:
-            result = run_tool(self.tools, call.name, call.query)
-            name, query, text, ok, ran = call.name, call.query, result.text, result.ok, result.ran
         cache = session.cache
         with self.backend.lock:
-            text = self.protocol.neutralize(text)
+            if isinstance(call, ToolCallError):  # (the protocol's own words, which name its markers)
+                name, query, text, ok, ran = None, None, f"error: {call}", False, None
+            else:
+                result = run_tool(self.tools, call.name, call.query)
+                name, query, ok, ran = call.name, call.query, result.ok, result.ran
+                text = self.protocol.neutralize(result.text)
             if len(text) > settings.max_tool_response:
                 text = text[: settings.max_tool_response - 1] + "…"
             whole = self.protocol.result_ids(call_segment, cache.ids[-8:], text, index, count)

@@ -44,8 +44,8 @@ class TextEnvProtocol(Protocol):
             return []
         try:
             call = parse_tool_call(segment.text)
-        except ToolCallError as error:
-            return [error]
+        except ToolCallError as error:  # (its message names the markers in look-alikes, as the model has always read)
+            return [ToolCallError(self.neutralize(str(error)))]
         return [ToolCall(call.name, call.query)]
 
     def result_ids(self, segment: Segment, ids: list[int], text: str, index: int, count: int) -> list[int]:
