@@ -7,7 +7,9 @@
     python3 benchmarks/answer_quality.py --weights float32 int8   # both formats, and every answer that differs
     python3 benchmarks/answer_quality.py --backend local server --guide on off   # guided answers on and off, in
                                                    # process and through llama.cpp's server (one column each)
-    python3 benchmarks/answer_quality.py --guide on off --floors   # CI (tests/test_answer_quality.py): exit 1 under FLOORS
+    python3 benchmarks/answer_quality.py --protocol textenv chat --guide on off   # both protocols (app/protocols/)
+    python3 benchmarks/answer_quality.py --protocol textenv chat --guide on off --floors   # CI
+                                                   # (tests/test_answer_quality.py): exit 1 under FLOORS
 
 Each question runs greedy in a fresh session (the page's first turn); then the built-in Batch questions
 (assets/batch_questions.json) run as one batch. The reported ("test") look-ups are
@@ -193,9 +195,16 @@ def over_limits(episode: Episode, settings: Settings) -> bool:
     return length or len(tool_calls(episode)) >= settings.max_turns
 
 
+def answered(episode: Episode) -> bool:
+    """The answer ended as its protocol ends one: `<submit>` (textenv), EOS (chat: the end of its message)."""
+    if episode.protocol == "chat":
+        return episode.stop is not None and episode.stop.reason is StopReason.EOS
+    return ended_by(episode, SUBMIT)
+
+
 def lookup_row(episode: Episode, keys: list[str], settings: Settings) -> dict:
     calls = tool_calls(episode)
-    return {"clean": ended_by(episode, SUBMIT) and calls == ["Search"],
+    return {"clean": answered(episode) and calls == ["Search"],
             "key": any(k.lower() in episode.answer.lower() for k in keys),
             "limits": over_limits(episode, settings)}
 
@@ -263,6 +272,8 @@ def main() -> int:
                         help="in process (local) and/or through llama.cpp's server on the bundled GGUF (server)")
     parser.add_argument("--guide", nargs="+", choices=("on", "off"), default=None,
                         help="guided answers on and/or off (default: on, the page's setting)")
+    parser.add_argument("--protocol", nargs="+", choices=("textenv", "chat"), default=None,
+                        help="how model and tools talk (app/protocols/; default: textenv, the bundled model's auto)")
     parser.add_argument("--floors", action="store_true",
                         help="exit 1 where a test-set count is under its floor (FLOORS; CI runs this)")
     args = parser.parse_args()
@@ -270,8 +281,10 @@ def main() -> int:
         parser.error("--floors are the test set's")
     prompt = args.prompt.read_text(encoding="utf-8") if args.prompt else None
     guides = args.guide or ["on"]
+    protocols = args.protocol or ["textenv"]
 
-    def label(name: str, guide: str) -> str:  # (the default run's column keeps its old name: the weights)
+    def label(name: str, guide: str, protocol: str) -> str:  # (the default run's column keeps its old name)
+        name = name if args.protocol is None else f"{protocol}, {name}"
         return name if args.guide is None else f"{name}, guide {guide}"
 
     runs = {}
@@ -279,8 +292,10 @@ def main() -> int:
         if where == "local":
             for weights in args.weights:
                 loaded = LocalBackend(load_model(weights=weights))
-                for guide in guides:
-                    runs[label(weights, guide)] = measure(Engine(loaded, prompt=prompt), guide, args)
+                for protocol in protocols:
+                    engine = Engine(loaded, prompt=prompt, protocol=protocol)
+                    for guide in guides:
+                        runs[label(weights, guide, protocol)] = measure(engine, guide, args)
                 loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
         else:
             from tests.support.llama_server import LlamaServer
@@ -289,8 +304,10 @@ def main() -> int:
 
             with LlamaServer() as llama:  # as the tests start it: 4 slots of 4,096 tokens, 2 threads, loopback
                 server = ServerBackend.connect(ModelServer(llama.url, timeout_s=120), tokenizer=load_tokenizer())
-                for guide in guides:
-                    runs[label("llama-server", guide)] = measure(Engine(server, prompt=prompt), guide, args)
+                for protocol in protocols:
+                    engine = Engine(server, prompt=prompt, protocol=protocol)
+                    for guide in guides:
+                        runs[label("llama-server", guide, protocol)] = measure(engine, guide, args)
     print_table(args.set, runs)
     if args.floors and (under := under_floors(runs)):
         print("\nunder the floors (benchmarks/answer_quality.py FLOORS):\n" + "\n".join(under))
@@ -340,7 +357,8 @@ def print_table(which: str, runs: dict[str, dict]) -> None:
 
     print(f"\n| set | questions | measure | {' | '.join(runs)} |\n|---|---|---|{'---|' * len(runs)}")
     look = next(iter(runs.values()))["tallies"]
-    print(f"| look-up ({which}) | {len(look['look-up'].rows)} | `<submit>` after exactly one search | "
+    print(f"| look-up ({which}) | {len(look['look-up'].rows)} | ended (`<submit>`; chat: EOS) after exactly one "
+          f"search | "
           f"{cells('look-up', 'clean')} |")
     if any(keys for _, keys in LOOKUPS[which]):
         print(f"| | | answer holds a key phrase of the definition | {cells('look-up', 'key')} |")

@@ -80,11 +80,14 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs of every measurement (the table: medians)")
     parser.add_argument("--chart", type=Path, help="write a chart of tokens/s and p95 TTFT to this file")
     parser.add_argument("--no-guide", action="store_true", help="guided answers off (the page's default: on)")
+    parser.add_argument("--protocol", choices=("textenv", "chat"), default="textenv",
+                        help="how model and tools talk (app/protocols/; default: textenv)")
     args = parser.parse_args()
     settings = replace(PAGE, guide=not args.no_guide)
     if args.repeat < 1 or 1 not in args.chats:
         parser.error("--repeat must be at least 1, and --chats must hold 1 (the baseline)")
-    engine = Engine(LocalBackend(load_model()))
+    engine = Engine(LocalBackend(load_model()), protocol=args.protocol)
+    print(f"protocol {engine.protocol.name}, guide {'off' if args.no_guide else 'on'}")
     engine.ask(engine.new_session(), "What is 1 + 1?", settings)  # warm up: the shared prompt cache, first passes
     gc.freeze()  # as app.py does once warm: what lives as long as the process stays out of the collector's scans
     alone: list = []  # every chat by itself, for its own turn times
