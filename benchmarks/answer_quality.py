@@ -322,22 +322,30 @@ def main() -> int:
     return 0
 
 
-# The test set's floors, a little below the counts of 2026-12-06 (int8, AMD EPYC Zen 4): guide on 25, 25 of 25
-# look-ups, 24, 24 of 24 sums, 8 of 8 greetings without a tool; guide off 22, 21, 24, 23, 8. (kind, measure) -> the
-# least count, per guide setting; a column's guide is read from its label ("..., guide off").
+# The test set's floors, a little below the counts of 2026-12-06 (int8, AMD EPYC Zen 3 and Zen 4): textenv, guide on
+# 25, 25 of 25 look-ups, 24, 24 of 24 sums, 8 of 8 greetings without a tool; guide off 22, 21, 24, 23, 8. chat, guide
+# on 25, 25, 18, 24, 8; guide off 25, 22, 0, 22, 8 (unguided, the bundled model sends every sum to `search`, which
+# hands it to the Calculator: no floor on naming the calculator). (protocol, guide) -> (kind, measure) -> the least
+# count; a column's protocol and guide are read from its label ("chat, int8, guide off").
 FLOORS = {
-    "on": {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 23,
-           ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
-    "off": {("look-up", "clean"): 20, ("look-up", "key"): 19, ("arithmetic", "calc"): 22,
-            ("arithmetic", "correct"): 21, ("chit-chat", "no_tool"): 7},
+    ("textenv", "on"): {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 23,
+                        ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
+    ("textenv", "off"): {("look-up", "clean"): 20, ("look-up", "key"): 19, ("arithmetic", "calc"): 22,
+                         ("arithmetic", "correct"): 21, ("chit-chat", "no_tool"): 7},
+    ("chat", "on"): {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 16,
+                     ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
+    ("chat", "off"): {("look-up", "clean"): 22, ("look-up", "key"): 19, ("arithmetic", "correct"): 20,
+                      ("chit-chat", "no_tool"): 7},
 }
 
 
 def under_floors(runs: dict[str, dict]) -> list[str]:
-    """Each column's counts under their floor, as lines; a column is guided unless its label says "guide off"."""
+    """Each column's counts under their floor, as lines; a column is guided unless its label says "guide off", and
+    on textenv unless it starts with "chat, "."""
     under = []
     for name, run in runs.items():
-        floors = FLOORS["off" if name.endswith("guide off") else "on"]
+        protocol = "chat" if name.startswith("chat, ") else "textenv"
+        floors = FLOORS[protocol, "off" if name.endswith("guide off") else "on"]
         for (kind, key), least in floors.items():
             if (got := run["tallies"][kind].hits(key)) < least:
                 under.append(f"- {name}: {kind} {key} {got}, floor {least}")

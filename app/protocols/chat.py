@@ -26,14 +26,15 @@ from app.tools.base import Tool
 
 def chat_template_for(tokenizer) -> str | None:
     """The template the chat protocol renders with: the tokenizer's own where it renders tools (None), else the
-    project's own (assets/chat_template.jinja) for a ChatML tokenizer; TemplateError-free: where neither fits,
-    app.protocols.select falls back to textenv."""
+    project's own (assets/chat_template.jinja, ChatML, written for SmolLM2)."""
     if renders_tools(tokenizer):
         return None
     return own_template()
 
 
 class ChatProtocol(Protocol):
+    """The chat template's protocol for one tokenizer; TemplateError where the template cannot be followed."""
+
     name = "chat"
 
     def __init__(self, tokenizer, special_token_texts: list[str] | tuple[str, ...] = (), template: str | None = None):
