@@ -7,6 +7,9 @@ Both sides: the bundled SmolLM2-135M-Instruct (float32; our last column in int8,
 24-example few-shot calculator prompt, the same 8 questions, greedy, 2 threads, max_new_tokens 32, max_turns 4;
 one episode per call, then all 8 as one batch. TRL runs in its own virtual environment (transformers 4.x) as a
 subprocess; model loading is excluded on both sides. Prints a table.
+
+TRL's TextEnvironment has no guide, so ours runs with the guide off by default too (like for like), and says so;
+`--guide on` runs ours guided (forced text fed in one pass: not the same work as TRL's).
 """
 
 from __future__ import annotations
@@ -49,18 +52,18 @@ def episode_text(episode) -> str:
     return "".join(s.text for s in episode.segments)
 
 
-def run_ours(weights: str, use_cache: bool, draft_tokens: int) -> dict:
+def run_ours(weights: str, use_cache: bool, draft_tokens: int, guide: bool) -> dict:
     """Per-episode and batch runs on this project's engine (the shared prompt cache is built once, timed apart)."""
     loaded = LocalBackend(load_model(weights=weights))
     try:
         return run_engine(Engine(loaded, tools=get_tools(["Calculator"]), prompt=workload.few_shot_prompt()),
-                          use_cache, draft_tokens)
+                          use_cache, draft_tokens, guide)
     finally:
         loaded.scheduler.release()  # one model thread (one OpenMP pool) at a time: app.threads
 
 
-def run_engine(engine: Engine, use_cache: bool, draft_tokens: int) -> dict:
-    settings = Settings(use_cache=use_cache, draft_tokens=draft_tokens, **SETTINGS)
+def run_engine(engine: Engine, use_cache: bool, draft_tokens: int, guide: bool = False) -> dict:
+    settings = Settings(use_cache=use_cache, draft_tokens=draft_tokens, guide=guide, **SETTINGS)
     began = time.perf_counter()
     engine.new_session(use_cache=use_cache)  # one prefill of the prompt per process, shared by every session
     prompt_seconds = time.perf_counter() - began if use_cache else 0.0
@@ -115,7 +118,7 @@ def table(trl: dict, ours: dict[str, dict]) -> list[list[str]]:
     return rows
 
 
-def chart(trl: dict, ours: dict[str, dict], path: Path) -> None:
+def chart(trl: dict, ours: dict[str, dict], path: Path, guide: str = "off") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +138,7 @@ def chart(trl: dict, ours: dict[str, dict], path: Path) -> None:
         ax.spines[["top", "right"]].set_visible(False)
         ax.tick_params(labelsize=8)
     fig.suptitle(f"Same workload: SmolLM2-135M, {trl['prompt_tokens']}-token few-shot prompt, "
-                 "8 calculator questions, greedy, 2 CPU threads", fontsize=9)
+                 f"8 calculator questions, greedy, 2 CPU threads; ours: guide {guide}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -146,26 +149,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--trl-json", type=Path, help="reuse a trl_side.py result instead of running TRL")
     parser.add_argument("--chart", type=Path, help="write the chart (seconds and prefill tokens) to this file")
+    parser.add_argument("--guide", choices=("off", "on"), default="off",
+                        help="ours with guided answers (default off: TRL's TextEnvironment has no guide)")
     args = parser.parse_args()
+    guide = args.guide == "on"
+    print(f"ours: guide {args.guide}" + ("" if guide else " (like TRL's TextEnvironment, which has none)"), flush=True)
     os.environ["MODEL_THREADS"] = str(args.threads)  # the scheduler's thread (app.threads)
     out_dir = HERE / "out"
     out_dir.mkdir(exist_ok=True)
     trl = json.loads(args.trl_json.read_text()) if args.trl_json else run_trl(args.venv, out_dir / "trl.json", args.threads)
-    ours = {"ours, no cache": run_ours("float32", use_cache=False, draft_tokens=0),
-            "ours, cache": run_ours("float32", use_cache=True, draft_tokens=0),
-            "ours, cache + drafts": run_ours("float32", use_cache=True, draft_tokens=8),
-            "ours, int8, cache + drafts": run_ours("int8", use_cache=True, draft_tokens=8)}
-    (out_dir / "ours.json").write_text(json.dumps(ours, indent=1))
+    ours = {"ours, no cache": run_ours("float32", use_cache=False, draft_tokens=0, guide=guide),
+            "ours, cache": run_ours("float32", use_cache=True, draft_tokens=0, guide=guide),
+            "ours, cache + drafts": run_ours("float32", use_cache=True, draft_tokens=8, guide=guide),
+            "ours, int8, cache + drafts": run_ours("int8", use_cache=True, draft_tokens=8, guide=guide)}
+    (out_dir / "ours.json").write_text(json.dumps({"guide": args.guide, **ours}, indent=1))
     header = ["", "TRL 0.20.0", *ours]
     widths = [28] + [max(12, len(h) + 2) for h in header[1:]]
     print("\n" + "".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w) in enumerate(zip(header, widths))))
     for row in table(trl, ours):
         print("".join(f"{v:>{w}}" if i else f"{v:<{w}}" for i, (v, w) in enumerate(zip(row, widths))))
     same = len({json.dumps([e["answer"] for e in r["episodes"]]) for r in ours.values()}) == 1
-    print(f"\nsame answers in every run of ours: {same}")
+    print(f"\nsame answers in every run of ours: {same}; ours ran with the guide {args.guide}")
     print(f"versions: TRL side {trl['versions']}; ours torch {torch.__version__}")
     if args.chart:
-        chart(trl, ours, args.chart)
+        chart(trl, ours, args.chart, args.guide)
         print(f"chart: {args.chart}")
 
 
