@@ -406,7 +406,8 @@ def test_guide_off_the_server_writes_freely(proxied):
     assert all("grammar" not in body and "structured_outputs" not in body for body in sent)
     assert all(s.provenance is None and s.generated_tokens == s.end - s.start for s in episode.model_segments)
     data = episode.to_json()
-    assert data["guide"] is False and not any("guided" in s for s in data["segments"])
+    assert data["guide"] is False and all(s["guided"] == {"forced_tokens": 0, "steered_tokens": 0}
+                                          for s in data["segments"] if s["kind"] == "model")
 
 
 @llama_only
