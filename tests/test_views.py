@@ -360,7 +360,7 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
     ticket = service.ticket(request())
     text, status, _ = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
                                         ticket=ticket))[-1]
-    assert status == "done (stopped by user)" and text.count("stopped by user") == 3  # both runs + the verdict
+    assert status == "done (stopped by user) · protocol textenv" and text.count("stopped by user") == 3  # both runs + the verdict
     assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
     assert loaded.model.step < 20
 
@@ -421,7 +421,7 @@ def test_episode_records_are_one_json_line_each():
     episode = answer_episode("Qué es 6*7?", "Result = 42<submit>")
     episode.reward = 1.0
     record = episode_record(episode)
-    assert set(record) == {"question", "answer", "token_ids", "mask", "provenance", "reward", "guide"}
+    assert set(record) == {"question", "answer", "token_ids", "mask", "provenance", "reward", "guide", "protocol"}
     text = episodes_jsonl([episode, episode])
     assert text.count("\n") == 2 and text.endswith("\n") and "Qué" in text  # (UTF-8 as is)
     assert json.loads(text.splitlines()[1]) == record
