@@ -17,7 +17,8 @@ from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown, guide_markdown
-from components.inputs import DEFAULTS, PageSettings, max_length_for, prompt_for_protocol, unedited
+from components.inputs import (DEFAULTS, PageSettings, max_length_for, page_protocol, prompt_for_protocol,
+                               unedited)
 from components.page_state import PageState, PageStates
 from components.stats import stats_markdown
 from components.status import done_status, failure_status, finished_marker
@@ -295,12 +296,23 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
     def refresh(self, request: gr.Request) -> tuple:
         """Page load: a new page (a reload too) is a new Gradio session, so this shows an empty chat, the
-        server's stats, the max_length field fitted to the backend, and registers the visitor; closing the page
-        frees the session."""
+        server's stats, the max_length field fitted to the backend, the default protocol's prompt, and registers
+        the visitor; closing the page frees the session."""
         entry = self.store.get(request.session_hash)
         session = entry.session
         chat = chat_messages(session.episodes if session else [], self.page_of(entry).notes)
-        return chat, self.token_view(session), self.stats(session), self.max_length_field()
+        return chat, self.token_view(session), self.stats(session), self.max_length_field(), self.prompt_field()
+
+    def prompt_field(self) -> str:
+        """The prompt box's value on page load: the default template of the protocol the selector starts on (what
+        `auto` resolves to for this model, e.g. chat for a model whose template lists tools). Before the backend
+        has loaded (never loaded here), or where that protocol cannot run on it, the box as built (textenv's)."""
+        if self.loaded_backend() is None:
+            return gr.skip()
+        try:
+            return self.engine_for(None, page_protocol()).protocol.default_template()
+        except InputError:  # (the turn says why)
+            return gr.skip()
 
     def max_length_field(self):
         """The max_length field for a backend whose context is shorter than the page's default: that context, and

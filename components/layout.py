@@ -204,7 +204,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         protocol.change(service.protocol_prompt, [protocol, prompt], [prompt], concurrency_id="protocol",
                         concurrency_limit=None, show_progress="hidden", api_visibility="private",
                         api_name="ui_protocol")
-        demo.load(service.refresh, None, [chat, tokens, stats, max_length], concurrency_id="load",
+        demo.load(service.refresh, None, [chat, tokens, stats, max_length, prompt], concurrency_id="load",
                   concurrency_limit=None, show_progress="hidden", api_visibility="private",
                   api_name="ui_load").then(**charts, api_name="ui_charts_load")
         demo.unload(service.unload)

@@ -139,3 +139,19 @@ def test_make_service_is_textenv_by_default(tiny_llama, monkeypatch):
     service, _ = make_service(tiny_llama)
     engine, settings = service._page_settings(PageSettings(True, 4096, 8, 0, 0, TOOLS))
     assert engine.protocol.name == "textenv" and settings.protocol == "auto"
+
+
+def test_the_page_loads_with_the_default_protocols_prompt(tiny_llama, monkeypatch):
+    """The selector starts on PROTOCOL (else auto), and the prompt box, once the model has loaded, on that
+    protocol's default: a model whose own template lists tools gets chat's from auto."""
+    from components.inputs import page_protocol
+
+    service = chat_service(tiny_llama)
+    monkeypatch.delenv("PROTOCOL", raising=False)
+    assert page_protocol() == "auto" and service.refresh(request())[4] == gr.skip()  # (the model not loaded yet)
+    service.engine_for(None)  # (loaded)
+    assert service.refresh(request())[4] == default_prompt_template()  # (auto is textenv for this model)
+    monkeypatch.setenv("PROTOCOL", "chat")
+    assert page_protocol() == "chat" and service.refresh(request())[4] == default_chat_template()
+    monkeypatch.setenv("PROTOCOL", "hermes")
+    assert page_protocol() == "auto"  # (the selector offers no such protocol; a turn would say so)
