@@ -21,6 +21,7 @@ import torch
 
 from app.model.attention import use_gqa_sdpa
 from app.model.int8 import SAVED_INT8, int8_state, to_int8
+from app.model.family import describe, fast_path_reason
 from app.model.ragged import supports
 from app.paths import cache_dir
 
@@ -267,7 +268,12 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None, weight
         with hub_fallback_errors() if fallback else contextlib.nullcontext():
             model, tokenizer = _load_pretrained(model_id)
         name = model_id
+    reason = fast_path_reason(model.config)
+    if reason is not None:  # (the scheduler then runs the model's own forward, one row a step)
+        log.warning("%s is not on the fast path (%s): it runs on its own forward, one row a step%s", name, reason,
+                    ", in float32" if weights == "int8" else "")
+    else:
+        log.info("%s runs on the fast path: %s", name, describe(model.config))
     if weights == "int8" and not supports(model):
-        log.warning("WEIGHTS=int8 covers Llama-family models; %s runs in float32", name)
         weights = "float32"
     return wrap(model, tokenizer, name, weights, folder)
