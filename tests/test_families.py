@@ -246,3 +246,38 @@ def test_every_qwen3_layer_in_one_call_gives_the_bits_of_the_calls_layer_by_laye
 
     one_call, by_layer = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(one_call, by_layer))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_a_gguf_of_the_family_converts_once_and_runs_the_fast_path(kind, tokenizer, tmp_path, monkeypatch, caplog):
+    """A GGUF written by llama.cpp's own conversion script (tests/support/gguf_convert.py, f32) loads through the
+    converted cache folder as the bundled model does: the same logits as the model it was written from, converted
+    once (a second load reads the folder), its int8 weights saved beside, and the batched pass."""
+    import logging
+
+    from tests.conftest import tiny_family
+    from tests.support.gguf_convert import convert
+
+    source = tiny_family(kind, tokenizer)
+    folder = tmp_path / "hf"
+    source.model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    convert(folder, tmp_path / f"tiny-{kind}.gguf")  # (before the cache folder moves: the script lives there)
+    monkeypatch.setenv("TEXTENV_CACHE_DIR", str(tmp_path / "cache"))
+    from app.model.loading import load_model
+
+    ids = torch.tensor([torch.randint(5, 1000, (30,), generator=torch.Generator().manual_seed(4)).tolist()])
+    with caplog.at_level(logging.INFO, logger="app.model.loading"):
+        first = load_model(str(tmp_path), f"tiny-{kind}.gguf", weights="float32")
+        assert "converting" in caplog.text and "runs on the fast path" in caplog.text
+        caplog.clear()
+        again = LocalBackend(load_model(str(tmp_path), f"tiny-{kind}.gguf", weights="int8"))
+        assert "converting" not in caplog.text
+    assert first.model.config.model_type == kind and again.weights == "int8"
+    with torch.inference_mode():
+        assert torch.equal(first.model(ids).logits, source.model(ids).logits)
+    converted = next((tmp_path / "cache" / "models").glob(f"tiny-{kind}-*"))
+    assert (converted / "config.json").exists() and (converted / "int8-weights-v1.safetensors").exists()
+    assert again.stats().runs.startswith(f"batched pass ({kind}")
+    assert _greedy_ragged(again.model, [ids[0].tolist()], 4, True, True) == [_greedy_own(again.model, ids[0].tolist(),
+                                                                                           4)]

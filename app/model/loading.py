@@ -146,11 +146,21 @@ def _load_pretrained(source: str, **kwargs):
     return model, tokenizer
 
 
+def _gguf_reads_head_dim() -> None:
+    """transformers 5.24 reads a qwen3 GGUF's config without its head size (`attention.key_length`), so a Qwen3
+    whose head_dim is not its default 128 would load with the wrong shapes: the key is added to its table (it reads
+    it for qwen3_moe and others already)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    GGUF_CONFIG_MAPPING.get("qwen3", {}).setdefault("attention.key_length", "head_dim")
+
+
 def _load_gguf(model_id: str, gguf_file: str):
     """Load a GGUF through the converted cache folder, converting (and saving) once."""
     converted = _converted_dir(model_id, gguf_file)
     if (converted / "config.json").exists():
         return _load_pretrained(str(converted))
+    _gguf_reads_head_dim()
     log.info("converting %s/%s once into %s (15-25 s)", model_id, gguf_file, converted)
     model, tokenizer = _load_pretrained(model_id, gguf_file=gguf_file)
     # The weights are already dequantized to float32; drop the GGUF marker that blocks save_pretrained.
