@@ -121,6 +121,37 @@ def tiny_llama(tokenizer) -> LocalBackend:
     return _tiny("llama", tokenizer)
 
 
+def tiny_family(kind: str, tokenizer) -> LocalBackend:
+    """A tiny random float32 decoder of a family the fast path covers beside Llama (app.model.family), with what
+    sets it apart made visible: "qwen2" (q/k/v biases, untied head), "qwen2-tied" (tied head), "qwen3" (per-head
+    q/k norms with random weights, head_dim 16 where hidden / heads is 8, untied head). Grouped-query heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=2, tie_word_embeddings=kind.endswith("-tied"))
+    if kind.startswith("qwen2"):
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    with torch.no_grad():  # (norms start at ones and biases may start at zero: random, so that they count)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand_like(param) + 0.5)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn_like(param) * 0.5)
+    return LocalBackend(wrap(model, tokenizer, f"tiny-{kind}"))
+
+
+FAMILY_KINDS = ("qwen2", "qwen2-tied", "qwen3")
+
+
+@pytest.fixture(scope="session", params=FAMILY_KINDS)
+def tiny_family_model(request, tokenizer) -> LocalBackend:
+    return tiny_family(request.param, tokenizer)
+
+
 @pytest.fixture(scope="session")
 def short_llama(tokenizer) -> LocalBackend:
     """A tiny llama whose context (1,024 tokens) is shorter than every default max_length, like a model server's

@@ -366,12 +366,12 @@ def test_the_int8_probe_times_both_matmuls_once(monkeypatch, int_mm_s, fast):
         int8_matmul_is_fast.cache_clear()  # (the next caller times the real matmuls)
 
 
-def test_int8_covers_llama_family_models_only(tokenizer):
+def test_int8_covers_the_fast_path_families_only(tokenizer):
     from tests.conftest import _tiny
 
-    gpt2 = _tiny("gpt2", tokenizer)  # (the llama case: every int8 test above)
+    gpt2 = _tiny("gpt2", tokenizer)  # (llama: every int8 test above; qwen2, qwen3: tests/test_families.py)
     assert gpt2.model.config.model_type == "gpt2"
-    with pytest.raises(ValueError, match="Llama-family"):
+    with pytest.raises(ValueError, match="fast path's families only: model type 'gpt2'"):
         to_int8(gpt2.model)
 
 

@@ -21,6 +21,7 @@ from app.decoding.guide_matcher import GuideMatcher, GuideVocab
 from app.decoding.sampling import PromptLookup, token_logprobs
 from app.decoding.stops import Detokenizer, StopChecker
 from app.episode import Provenance, Stop, StopReason
+from app.model.family import describe, fast_path_reason
 from app.model.kvcache import TokenCache
 from app.model.loading import LoadedModel
 from app.model.scheduler import Cancelled, PassResult, Scheduler
@@ -86,7 +87,8 @@ class LocalBackend:
 
     def stats(self) -> BackendStats:
         counts = self.scheduler.stats
-        path = "batched pass" if self.scheduler.ragged else "the model's own forward, one row a step"
+        path = describe(self.model.config) if self.scheduler.ragged else \
+            f"the model's own forward, one row a step: {fast_path_reason(self.model.config) or 'not a ragged model'}"
         return BackendStats(self.name, kv_in_process=True, runs=path, steps=counts.steps, rows=counts.rows,
                             peak_rows=counts.peak_rows)
 

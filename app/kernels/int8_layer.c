@@ -39,6 +39,18 @@ void rotate(float *y, int64_t n, int64_t width, int64_t heads, int64_t dim, cons
     });
 }
 
+/* Per-head RMS norms in place, before the rotary embeddings (Qwen3's q_norm / k_norm): in each of n rows of
+ * `width`, the `heads` heads of `dim` values from head `first` on, each normed over its dim values (weight, eps). */
+void norm_heads(float *y, int64_t n, int64_t width, int64_t first, int64_t heads, int64_t dim, const float *weight,
+                float eps) {
+    FOR_ROWS(i, n, n * heads * dim, {
+        for (int64_t h = first; h < first + heads; h++) {
+            float *v = y + i * width + h * dim;
+            rms_norm_row(v, dim, weight, eps, v);
+        }
+    });
+}
+
 /* hidden += the scaled-back sums (an output projection and the residual add). */
 void combine_add(const float *sums_f32, const int32_t *sums_i32, int64_t n, int64_t o, float fine,
                  const float *scale, const float *wscale, const float *bias, float *hidden) {
@@ -116,15 +128,21 @@ static int done(Room *r, int status) {
     return status;
 }
 
-/* y = rotary(qkv(norm(x))) for n rows of d: the first `rotated` heads of `dim` rotated (queries and keys).
- * Returns 0, or -1 without memory or VNNI. */
+/* y = rotary(qkv(norm(x))) for n rows of d: the first `rotated` heads of `dim` rotated (queries and keys), the
+ * first `heads` of them (queries) normed by q_norm and the rest by k_norm first where q_norm is not NULL (Qwen3;
+ * biases, Qwen2's, are the Linear's). Returns 0, or -1 without memory or VNNI. */
 int qkv_packed(const float *x, int64_t n, int64_t d, const float *norm, float eps, float act_max, float fine,
-               const Linear *qkv, int64_t rotated, int64_t dim, const float *cos, const float *sin, float *y) {
+               const Linear *qkv, int64_t rotated, int64_t dim, const float *cos, const float *sin,
+               int64_t heads, const float *q_norm, const float *k_norm, float head_eps, float *y) {
     Room r;
     if (room(&r, n, d, qkv->out)) return done(&r, -1);
     norm_split(x, n, d, norm, eps, act_max, fine, NULL, r.parts, r.scale);
     if (mm(qkv, r.parts, n, r.sums)) return done(&r, -1);
     combine_rows(NULL, r.sums, n, qkv->out, fine, r.scale, qkv->wscale, qkv->bias, y);
+    if (q_norm) {
+        norm_heads(y, n, qkv->out, 0, heads, dim, q_norm, head_eps);
+        norm_heads(y, n, qkv->out, heads, rotated - heads, dim, k_norm, head_eps);
+    }
     rotate(y, n, qkv->out, rotated, dim, cos, sin);
     return done(&r, 0);
 }
@@ -163,6 +181,8 @@ typedef struct {
     const float *post_norm;
     float post_eps;
     Linear o, gate_up, down;
+    const float *q_norm, *k_norm; /* per-head norms before rotary (Qwen3), or NULL */
+    float head_eps;
 } Layer;
 
 /* hidden (n rows of d) through `count` layers: heads query heads and groups key/value heads of dim values, the
@@ -182,7 +202,7 @@ int forward_layers(const Layer *layers, int64_t count, float *hidden, int64_t n,
         const Layer *layer = &layers[l];
         const float *k = y + heads * dim, *v = k + groups * dim;
         status = qkv_packed(hidden, n, d, layer->input_norm, layer->input_eps, act_max, fine, &layer->qkv,
-                            heads + groups, dim, cos, sin, y);
+                            heads + groups, dim, cos, sin, heads, layer->q_norm, layer->k_norm, layer->head_eps, y);
         if (!status)
             status = attend_batch(y, dim, width, k, dim, width, v, dim, width, tables[l], rows, heads, groups, dim,
                                   scale, out);

@@ -3,7 +3,7 @@
 Why: at decode a layer's four matmuls are most of its arithmetic, but around them transformers' modules and
 app.model.int8's split and scaling are dozens of torch calls on a few hundred floats each, whose dispatch costs
 more than the matmuls on few cores (docs/model-and-kernels.md). Here a layer is: norm + split (one call), q/k/v
-matmul, scaling + rotary (two), attention, split, output matmul, scaling + residual add + norm + split (one),
+matmul, scaling (+ Qwen3's per-head q/k norms) + rotary (two or three), attention, split, output matmul, scaling + residual add + norm + split (one),
 gate/up matmul, scaling + SiLU·up + split (one), down matmul, scaling + residual add (one). Where every row of a
 pass attends in app/kernels/attend_rows.c (decoding rows, drafts, questions, tool results), one C call runs all
 the layers (forward_layers), with no Python (and no GIL held) between a layer's calls.
@@ -26,8 +26,9 @@ from app.kernels.native import library
 
 
 def fused_layers(model) -> FusedInt8Layers | None:
-    """The fused layers for a model converted by app.model.int8.to_int8 (Llama family: RMS norms, a SiLU-gated MLP),
-    where the C library is built; else None."""
+    """The fused layers for a model converted by app.model.int8.to_int8 (Llama, Qwen2, Qwen3: RMS norms, a
+    SiLU-gated MLP; q/k/v biases and per-head q/k norms as app.model.family.LayerShape says), where the C library
+    is built; else None."""
     lib = library()
     layer = model.model.layers[0]
     if lib is None or not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up")
@@ -57,8 +58,9 @@ class FusedInt8Layers:
                             *by_dtype(parts), scale.data_ptr())
         return parts, scale
 
-    def attention_inputs(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries (rotated), keys (rotated) and values, each [1, heads, tokens, head_dim]."""
+    def attention_inputs(self, layer, shape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries and keys (each head normed where `shape.head_norms`, then rotated) and values, each
+        [1, heads, tokens, head_dim]. `shape`: the model's app.model.family.LayerShape."""
         attn, x = layer.self_attn, hidden[0]
         qkv, norm = attn.qkv_proj, layer.input_layernorm
         n = len(x)
@@ -66,14 +68,21 @@ class FusedInt8Layers:
         rotated = (widths[0] + widths[1]) // attn.head_dim
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         assert cos.shape == (n, attn.head_dim), "C rotates whole heads: cos/sin must cover head_dim"
+        q_norm, k_norm, head_eps = _head_norms(layer, shape)
         if _packed(n, qkv):
             y = torch.empty(n, qkv.out_features)
             _check(self.lib.qkv_packed(x.data_ptr(), n, x.shape[1], norm.weight.data_ptr(), norm.variance_epsilon,
                                        ACT_MAX, FINE, ctypes.byref(_linear(qkv)), rotated, attn.head_dim,
-                                       cos.data_ptr(), sin.data_ptr(), y.data_ptr()))
+                                       cos.data_ptr(), sin.data_ptr(), shape.heads, q_norm, k_norm, head_eps,
+                                       y.data_ptr()))
         else:
             parts, scale = self._norm_split(x, norm, qkv)
             y = qkv.scaled(parts, scale)
+            if q_norm is not None:
+                self.lib.norm_heads(y.data_ptr(), n, qkv.out_features, 0, shape.heads, attn.head_dim, q_norm,
+                                    head_eps)
+                self.lib.norm_heads(y.data_ptr(), n, qkv.out_features, shape.heads, rotated - shape.heads,
+                                    attn.head_dim, k_norm, head_eps)
             self.lib.rotate(y.data_ptr(), n, qkv.out_features, rotated, attn.head_dim, cos.data_ptr(),
                             sin.data_ptr())
         return tuple(p.view(1, n, -1, attn.head_dim).transpose(1, 2) for p in y.split(widths, dim=-1))
@@ -109,21 +118,20 @@ class FusedInt8Layers:
                              pointer(down.bias), x.data_ptr())
         return hidden
 
-    def whole_pass(self, model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> bool:
+    def whole_pass(self, model, shape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> bool:
         """Every layer in one C call (forward_layers: per layer the calls above, attention in attend_rows), where
         every row of the pass attends there (`batch`, its app.kernels.attend_rows.Batch) and every layer has the packed
         kernel (for any number of tokens: without the layers' Python and int32 sums it beats `_int_mm`,
         docs/concurrency.md). False, with nothing done, otherwise. hidden is updated in place."""
-        layers, config, x = model.model.layers, model.config, hidden[0]
+        layers, x = model.model.layers, hidden[0]
         n = len(x)
         if not all(linear.packed for linear in _linears(model)):
             return False
         attn = layers[0].self_attn
-        heads = config.num_attention_heads
-        groups = getattr(config, "num_key_value_heads", None) or heads
+        heads, groups = shape.heads, shape.groups
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        status = self.lib.forward_layers(_stack(model), len(layers), x.data_ptr(), n, x.shape[1], heads, groups,
-                                         attn.head_dim, attn.scaling, cos.data_ptr(), sin.data_ptr(),
+        status = self.lib.forward_layers(_stack(model, shape), len(layers), x.data_ptr(), n, x.shape[1], heads,
+                                         groups, attn.head_dim, attn.scaling, cos.data_ptr(), sin.data_ptr(),
                                          batch.table_pointers, batch.count, ACT_MAX, FINE)
         if status == -2:  # (another geometry: nothing done)
             return False
@@ -149,7 +157,7 @@ class LayerC(ctypes.Structure):
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float), ("qkv", Linear),
                 ("post_norm", ctypes.c_void_p), ("post_eps", ctypes.c_float), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear)]
+                ("down", Linear), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("head_eps", ctypes.c_float)]
 
 
 def _linears(model) -> list:
@@ -163,7 +171,16 @@ def _linears(model) -> list:
     return made
 
 
-def _stack(model) -> ctypes.Array:
+def _head_norms(layer, shape) -> tuple[int | None, int | None, float]:
+    """The addresses of a layer's per-head query and key norm weights and their epsilon (None, None where the
+    family has none: app.model.family.LayerShape.head_norms)."""
+    if not shape.head_norms:
+        return None, None, 0.0
+    attn = layer.self_attn
+    return attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr(), attn.q_norm.variance_epsilon
+
+
+def _stack(model, shape) -> ctypes.Array:
     """The C view of every decoder layer, made once per model (as _linear's: its tensors never move)."""
     made = model.__dict__.get("_c_layers")
     if made is None:
@@ -171,7 +188,8 @@ def _stack(model) -> ctypes.Array:
         made = (LayerC * len(model.model.layers))(*[
             LayerC(layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
                    _linear(qkv), layer.post_attention_layernorm.weight.data_ptr(),
-                   layer.post_attention_layernorm.variance_epsilon, _linear(o), _linear(gate_up), _linear(down))
+                   layer.post_attention_layernorm.variance_epsilon, _linear(o), _linear(gate_up), _linear(down),
+                   *_head_norms(layer, shape))
             for layer, (qkv, o, gate_up, down) in zip(model.model.layers, zip(*[iter(linears)] * 4))])
         model.__dict__["_c_layers"] = made
     return made

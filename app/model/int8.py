@@ -39,6 +39,7 @@ from torch import nn
 from app.kernels import int8_mm
 from app.kernels.int8_mm import PackedWeight
 from app.kernels.int8_rows import ACT_MAX, FINE, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
+from app.model.family import fast_path_reason
 from app.model.ragged import supports
 
 log = logging.getLogger(__name__)
@@ -255,13 +256,14 @@ def int8_matmul_is_fast() -> bool:
 @torch.no_grad()
 def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None,
             few: int | None = None, packed: bool = False) -> None:
-    """Convert a Llama-family model's projections, MLPs and LM head to int8, in place. `exact`: multiply on the
+    """Convert a Llama, Qwen2 or Qwen3 model's projections (q/k/v as one, with their biases where the family has
+    them: app.model.family), MLPs and LM head to int8, in place (Qwen3's per-head q/k norms stay float32). `exact`: multiply on the
     exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.kernels.int8_mm's, for inputs of
     up to `few` tokens (None: all); exact None: all three chosen for this CPU (_kernels). `saved`: int8_state()
     of this model's conversion, taken instead of quantizing again where it holds a layer (app.model keeps it
     beside the converted weights)."""
     if not supports(model):
-        raise ValueError(f"int8 weights cover Llama-family models; {model.config.model_type} is not one")
+        raise ValueError(f"int8 weights cover the fast path's families only: {fast_path_reason(model.config)}")
     if exact is None:
         exact, few, packed = _kernels(model.config)
 

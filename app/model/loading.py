@@ -21,6 +21,7 @@ import torch
 
 from app.model.attention import use_gqa_sdpa
 from app.model.int8 import SAVED_INT8, int8_state, to_int8
+from app.model.family import describe, fast_path_reason
 from app.model.ragged import supports
 from app.paths import cache_dir
 
@@ -145,11 +146,21 @@ def _load_pretrained(source: str, **kwargs):
     return model, tokenizer
 
 
+def _gguf_reads_head_dim() -> None:
+    """transformers 5.24 reads a qwen3 GGUF's config without its head size (`attention.key_length`), so a Qwen3
+    whose head_dim is not its default 128 would load with the wrong shapes: the key is added to its table (it reads
+    it for qwen3_moe and others already)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    GGUF_CONFIG_MAPPING.get("qwen3", {}).setdefault("attention.key_length", "head_dim")
+
+
 def _load_gguf(model_id: str, gguf_file: str):
     """Load a GGUF through the converted cache folder, converting (and saving) once."""
     converted = _converted_dir(model_id, gguf_file)
     if (converted / "config.json").exists():
         return _load_pretrained(str(converted))
+    _gguf_reads_head_dim()
     log.info("converting %s/%s once into %s (15-25 s)", model_id, gguf_file, converted)
     model, tokenizer = _load_pretrained(model_id, gguf_file=gguf_file)
     # The weights are already dequantized to float32; drop the GGUF marker that blocks save_pretrained.
@@ -267,7 +278,12 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None, weight
         with hub_fallback_errors() if fallback else contextlib.nullcontext():
             model, tokenizer = _load_pretrained(model_id)
         name = model_id
+    reason = fast_path_reason(model.config)
+    if reason is not None:  # (the scheduler then runs the model's own forward, one row a step)
+        log.warning("%s is not on the fast path (%s): it runs on its own forward, one row a step%s", name, reason,
+                    ", in float32" if weights == "int8" else "")
+    else:
+        log.info("%s runs on the fast path: %s", name, describe(model.config))
     if weights == "int8" and not supports(model):
-        log.warning("WEIGHTS=int8 covers Llama-family models; %s runs in float32", name)
         weights = "float32"
     return wrap(model, tokenizer, name, weights, folder)

@@ -16,8 +16,9 @@ as FlashInfer's shared-prefix batch decode does: its keys/values are read once a
 writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
 
 Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
-(app.kernels.int8_layer), and where every row attends in app.kernels.attend_rows, one C call for all the layers. Llama-family
-decoders only (the bundled SmolLM2 is one); `supports()` says whether a model can take this path.
+(app.kernels.int8_layer), and where every row attends in app.kernels.attend_rows, one C call for all the layers. Llama,
+Qwen2 and Qwen3 decoders (the bundled SmolLM2 is a Llama), their differences read from one layer description
+(app.model.family.LayerShape); `supports()` says whether a model can take this path, `fast_path_reason` why not.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from app.kernels import attend_rows
 from app.kernels.int8_layer import fused_layers
+from app.model.family import FAMILIES, LayerShape, fast_path_reason, layer_shape
 
-SUPPORTED = frozenset({"llama"})
+SUPPORTED = frozenset(FAMILIES)
 # PyTorch's CPU flash attention multiplies queries by keys in blocks of up to 32 queries (64 from 192 queries a
 # call on), and a block of fewer than 4 queries takes another matrix-product path with other rounding (a query
 # gets the same bits in any block of 4 to 32). So shared-prefix calls are padded to a multiple of 4
@@ -54,9 +56,15 @@ class Row:
 
 def supports(model) -> bool:
     """Whether `ragged_forward` computes this model exactly like its own forward."""
-    config = model.config
-    return (config.model_type in SUPPORTED and not getattr(config, "sliding_window", None)
-            and hasattr(model, "model") and hasattr(model, "lm_head"))
+    return fast_path_reason(model.config) is None and hasattr(model, "model") and hasattr(model, "lm_head")
+
+
+def shape_of(model) -> LayerShape:
+    """The model's layer description, read from its config once (kept on the model, like int8_layer's C views)."""
+    made = model.__dict__.get("_layer_shape")
+    if made is None:
+        made = model.__dict__["_layer_shape"] = layer_shape(model.config)
+    return made
 
 
 def causal_mask(n: int, past: int, repeat: int | None) -> torch.Tensor | None:
@@ -152,12 +160,16 @@ class TorchLayers:
     attention. app.kernels.int8_layer.FusedInt8Layers answers the same for int8 weights in a few C calls."""
 
     @staticmethod
-    def attention_inputs(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries and keys (rotated) and values, each [1, heads, tokens, head_dim]."""
+    def attention_inputs(layer, shape: LayerShape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries and keys (each head normed where `shape.head_norms`, then rotated) and values, each
+        [1, heads, tokens, head_dim]."""
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
-        shape = (1, hidden.shape[1], -1, attn.head_dim)
-        q, k, v = (p.view(shape).transpose(1, 2) for p in _qkv(attn, x))
+        view = (1, hidden.shape[1], -1, shape.head_dim)
+        q, k, v = (p.view(view) for p in _qkv(attn, x))
+        if shape.head_norms:  # (over head_dim, before the rotary embeddings: Qwen3Attention's order)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = (p.transpose(1, 2) for p in (q, k, v))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
@@ -198,8 +210,9 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     positions = torch.cat([torch.arange(row.start, row.start + len(row.ids)) for row in rows]).unsqueeze(0)
     shared = [row.prefix.get_seq_length() if row.prefix is not None else 0 for row in rows]
     config = model.config
-    groups = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    repeat = config.num_attention_heads // groups
+    shape = shape_of(model)
+    groups = shape.groups
+    repeat = shape.heads // groups
     fast = attend_rows.available(config)  # (attend_rows, in C: each row decides alone, by its own tokens)
     readable: dict[int, bool] = {}
     few = [i for i, row in enumerate(rows)
@@ -214,12 +227,12 @@ def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
     cos, sin = inner.rotary_emb(hidden, positions)
     batch = None  # (made at the first layer, from its keys' shape)
     if few and len(few) == len(rows) and layers is not TORCH_LAYERS:  # all rows in C: maybe all layers in one call
-        batch = attend_rows.Batch(rows, spans, hidden.new_empty(1, groups, 0, inner.layers[0].self_attn.head_dim))
-        if layers.whole_pass(model, hidden, cos, sin, batch):
+        batch = attend_rows.Batch(rows, spans, hidden.new_empty(1, groups, 0, shape.head_dim))
+        if layers.whole_pass(model, shape, hidden, cos, sin, batch):
             return _logits(model, layers, hidden, rows, spans)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        q, k, v = layers.attention_inputs(layer, hidden, cos, sin)
+        q, k, v = layers.attention_inputs(layer, shape, hidden, cos, sin)
         heads = _prefix_attention(q, rows, spans, readers, index, attn.scaling)
         out = torch.empty(at, q.shape[1], q.shape[3])
         if few:
