@@ -79,6 +79,8 @@ class Segment:
     # a model segment's tokens, each with who chose it; None: the guide was off (every token the model's)
     provenance: list[Provenance] | None = None
     steered_known: bool = True  # False where a model server does not say whether its grammar steered a token
+    # a model segment's tokens' log-probabilities (Settings.logprobs; 0.0 for forced ones); None: not recorded
+    logprobs: list[float] | None = None
 
     @property
     def forced_tokens(self) -> int:
@@ -204,6 +206,16 @@ class Episode:
     def mask(self) -> list[int]:
         """TRL's mask over token_ids: 1 for tokens the policy chose (steered ones too), 0 for inserted or forced."""
         return [int(p in ("model", "steered")) for p in self.provenance]
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Each of token_ids' log-probability under the logits it was sampled from (Settings.logprobs), as `mask`
+        lines up: 0.0 for the question, tool output, forced tokens and a segment that recorded none."""
+        out = [0.0] * (self.query_end - self.query_start)
+        for s in self.segments:
+            given = (s.logprobs or [])[: s.end - s.start]
+            out += given + [0.0] * (s.end - s.start - len(given))
+        return out[: len(self.token_ids)]
 
     def to_json(self) -> dict:
         return {

@@ -42,6 +42,7 @@ class Settings:
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
     guide: bool = True  # guided answers (app.decoding.guide): a grammar per segment, every token it decides shown as such
     protocol: str | None = None  # one of PROTOCOLS; None: default_protocol() (chosen by validated())
+    logprobs: bool = False  # record each model token's log-probability (Segment.logprobs; a trainer's rollouts)
 
     def validated(self, context_limit: int, default_max_length: int = DEFAULT_MAX_LENGTH) -> "Settings":
         """These settings for a backend that holds `context_limit` tokens a session, or InputError for the first

@@ -160,9 +160,11 @@ def _partial(run: BatchRun) -> str:
 
 def episode_record(episode: Episode) -> dict:
     """One episode as a trainer reads it (TRL's TextEnvironment shape): the turn's token ids (no system prompt),
-    its mask and provenance (app.episode.Episode), and the reward (null: none expected, cut short or failed)."""
+    its mask and provenance (app.episode.Episode), the reward (null: none expected, cut short or failed), and the
+    protocol its tokens are written in (textenv or chat)."""
     return {"question": episode.question, "answer": episode.answer, "token_ids": list(episode.token_ids),
-            "mask": episode.mask, "provenance": episode.provenance, "reward": episode.reward, "guide": episode.guide}
+            "mask": episode.mask, "provenance": episode.provenance, "reward": episode.reward, "guide": episode.guide,
+            "protocol": episode.protocol}
 
 
 def episodes_jsonl(episodes: list[Episode]) -> str:

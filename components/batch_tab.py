@@ -19,7 +19,7 @@ from app.episode import Episode, EpisodeFinished
 from components.batch import (BatchRun, batch_frame, batch_summary, empty_frame, format_items, parse_batch, rewards,
                               write_episodes)
 from components.inputs import PageSettings
-from components.status import failure_status, finished_marker
+from components.status import failure_status, finished_marker, protocol_note
 
 if TYPE_CHECKING:
     from app.serving import SessionStore
@@ -38,11 +38,13 @@ class BatchTab:
         return format_items(builtin_questions())
 
     def batch(self, text: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-              request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
+              request: gr.Request, seed=0, guide: bool | None = None, protocol: str | None = None,
+              ticket: int | None = None) -> Iterator[tuple]:
         """Run the lines as one batch episode twice (cache on, then off). Yields (rows, summary, status, download,
         marker): the download, once the batch ends, is the cache-on pass's episodes as JSONL (components.batch.
         episode_record); the completion marker comes with the final status (done or error) only."""
-        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide,
+                            protocol)
         entry = self.store.get(request.session_hash)
         state = self.page_of(entry)
         cancel = entry.batch_stop.begin(ticket)
@@ -54,7 +56,7 @@ class BatchTab:
         try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
             engine, settings = self._page_settings(page)
-            prompt = page.prompt_template()
+            prompt = self._page_prompt(engine, page)
         except Exception as error:  # handler boundary
             yield ended(gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip())
             return
@@ -84,7 +86,8 @@ class BatchTab:
             on, off = runs[0], (runs[1] if len(runs) > 1 else None)
             for episode, score in zip(on.episodes, rewards(on.episodes, items)):
                 episode.reward = score
-            status = "done" if not cancel.is_set() else "done (stopped by user)"
+            status = " · ".join(["done" if not cancel.is_set() else "done (stopped by user)",
+                                 protocol_note(engine.protocol.name)])
             yield ended(batch_frame(on.episodes, items), batch_summary(items, on, off), status, episodes_download(on))
         except Exception as error:  # handler boundary
             yield ended(gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip())

@@ -12,12 +12,13 @@ import gradio as gr
 from app.engine import Engine, Session, compare, compare_guide
 from app.episode import SegmentFinished, SegmentStarted, TextDelta
 from app.serving import Entry, Service, in_batches
-from app.settings import InputError, Settings, clean_question
+from app.settings import PROTOCOLS, InputError, Settings, clean_question
 from components.api import ApiHandlers
 from components.batch_tab import BatchTab
 from components.chat import chat_messages, ending_note, waiting_messages
 from components.compare import compare_markdown, guide_markdown
-from components.inputs import DEFAULTS, PageSettings, max_length_for
+from components.inputs import (DEFAULTS, PageSettings, max_length_for, page_protocol, prompt_for_protocol,
+                               unedited)
 from components.page_state import PageState, PageStates
 from components.stats import stats_markdown
 from components.status import done_status, failure_status, finished_marker
@@ -59,20 +60,53 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
     # ---- page events ----------------------------------------------------------------------------------------
     def _page_settings(self, page: PageSettings) -> tuple[Engine, Settings]:
-        """The engine for the checked tools and the page's settings, checked against its model."""
+        """The engine for the checked tools and the selected protocol, and the page's settings, checked against its
+        model."""
         settings = page.settings()
-        engine = self.engine_for(page.tool_list())
+        engine = self.engine_for(page.tool_list(), settings.protocol)
         return engine, settings.validated(engine.context_limit, DEFAULTS.max_length)
+
+    def default_templates(self) -> list[str]:
+        """Every protocol's default prompt template (Protocol.default_template) that this model can run."""
+        templates = []
+        for name in PROTOCOLS:
+            if name == "auto":
+                continue
+            try:
+                templates.append(self.engine_for(None, name).protocol.default_template())
+            except InputError:  # (a protocol this model's tokenizer cannot follow)
+                continue
+        return templates
+
+    def _page_prompt(self, engine: Engine, page: PageSettings) -> str:
+        """The box's prompt template for `engine`'s protocol, or a clear InputError (empty, too long): another
+        protocol's default, unedited, is this protocol's default (components.inputs.prompt_for_protocol)."""
+        return prompt_for_protocol(page.prompt_template(), engine.protocol.default_template(),
+                                   self.default_templates())
+
+    def protocol_prompt(self, protocol: str | None, prompt: str | None, request: gr.Request):
+        """The Protocol selector changed: a box holding a protocol's default template (unedited) shows the default
+        of the protocol now selected (`auto`: what it resolves to for this model); an edited prompt stays."""
+        try:
+            defaults = self.default_templates()
+            if not unedited(prompt, defaults):
+                return gr.skip()
+            return self.engine_for(None, protocol).protocol.default_template()
+        except Exception as error:  # handler boundary: the box stays as it was, the visitor sees why
+            failure_status(error, "protocol", request.session_hash)
+            return gr.skip()
 
     def chat(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
              request: gr.Request, seed=0, ticket: int | None = None, sent: int | None = None,
-             guide: bool | None = None) -> Iterator[tuple]:
+             guide: bool | None = None, protocol: str | None = None) -> Iterator[tuple]:
         """One turn from the page, streamed: (chat, textbox, status, tokens, stats, marker) per yield; the marker
         (finished_marker) comes with the final status only, once per turn, whatever ended it. `seed`: where a new
         chat's sampling starts; `ticket`: the Stop ticket taken when the page submitted it, `sent`: its number
-        among the waiting messages (submit); `guide`: the Guided answers checkbox (None: the default). (The
-        page's inputs come in the parameters' order, `request` apart.)"""
-        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        among the waiting messages (submit); `guide`: the Guided answers checkbox (None: the default); `protocol`:
+        the Protocol selector (auto, textenv or chat; None: the default). (The page's inputs come in the
+        parameters' order, `request` apart.)"""
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide,
+                            protocol)
         yield from self._turn(message, page, request, ticket, sent)
 
     def _turn(self, message: str, page: PageSettings, request: gr.Request, ticket: int | None,
@@ -108,7 +142,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
             engine, settings = self._page_settings(page)
             question = clean_question(message)  # before prepare: a rejected message must not start a new chat
-            session, change = self.prepare(entry, engine, settings, page.prompt_template(), question)
+            session, change = self.prepare(entry, engine, settings, self._page_prompt(engine, page), question)
             state.chat_changed(change, engine.tools)
             partial: str | None = None
             room = self.turn_room(session, settings.use_cache)  # (it waits while running jobs fill the budget)
@@ -130,7 +164,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
             self.store.enforce_budget(self.shared_kv_bytes())
             others = state.unanswered_besides(sent)
             ended = ending_note(session.episodes[-1] if session.episodes else None)
-            yield view(done_status(others, len(state.comparing), ended=ended) if entry.session is session
+            yield view(done_status(others, len(state.comparing), ended=ended, protocol=engine.protocol.name)
+                       if entry.session is session
                        else "new chat", full=True, final=True)
         except Exception as error:  # handler boundary: show it (and log the unexpected), keep session and server
             state.started(sent)
@@ -172,7 +207,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
         return self.store.get(request.session_hash).chat_stop.ticket()
 
     def chat_page(self, submitted: dict | None, use_cache, max_length, max_new_tokens, max_turns, temperature,
-                  tools, prompt, request: gr.Request, seed=0, guide: bool | None = None) -> Iterator[tuple]:
+                  tools, prompt, request: gr.Request, seed=0, guide: bool | None = None,
+                  protocol: str | None = None) -> Iterator[tuple]:
         """chat() on what submit() handed over, plus the timing view, which arrives with the turn's final
         status (done / error) and its completion marker."""
         submitted = submitted or {}
@@ -181,7 +217,8 @@ class ChatService(Service, ApiHandlers, BatchTab):
                        "when one is answered")
             yield (gr.skip(),) * 9
             return
-        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide,
+                            protocol)
         for output in self._turn(submitted.get("message", ""), page, request, submitted.get("ticket"),
                                  submitted.get("sent")):
             if output[2] == "running":
@@ -190,18 +227,21 @@ class ChatService(Service, ApiHandlers, BatchTab):
                 yield (*output, *self.timing(request))
 
     def compare(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt,
-                request: gr.Request, seed=0, guide: bool | None = None, ticket: int | None = None) -> Iterator[tuple]:
+                request: gr.Request, seed=0, guide: bool | None = None, protocol: str | None = None,
+                ticket: int | None = None) -> Iterator[tuple]:
         """The question with the cache on and off, on forks of the visitor's session (an empty box: the chat's last
         turn again, from where it was asked). Yields (result markdown, status, completion marker)."""
-        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide,
+                            protocol)
         yield from self._compare("cache", message, page, request, ticket)
 
     def compare_guide(self, message: str, use_cache, max_length, max_new_tokens, max_turns, temperature, tools,
-                      prompt, request: gr.Request, seed=0, guide: bool | None = None,
+                      prompt, request: gr.Request, seed=0, guide: bool | None = None, protocol: str | None = None,
                       ticket: int | None = None) -> Iterator[tuple]:
         """compare() with the guide on and off instead (`guide`, the checkbox, is what the runs vary), the cache as
         set: what the guide chose, and what the model writes alone."""
-        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide)
+        page = PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, tools, prompt, seed, guide,
+                            protocol)
         yield from self._compare("guide", message, page, request, ticket)
 
     def _compare(self, what: str, message: str, page: PageSettings, request: gr.Request,
@@ -220,7 +260,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
                 question = last
             engine, settings = self._page_settings(page)
-            prompt = page.prompt_template()
+            prompt = self._page_prompt(engine, page)
             session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session
                 session = engine.new_session(prompt=prompt, use_cache=True, seed=settings.seed)
@@ -233,7 +273,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
                 result = run(engine, session, question, settings, cancel=cancel, turns=turns)
             state.compare_ended(mine)
             shown, status = render(result), done_status(state.unanswered_besides(), len(state.comparing),
-                                                        result.stopped)
+                                                        result.stopped, protocol=engine.protocol.name)
             yield shown, status, finished_marker(state.chat_finished.bump())
         except Exception as error:  # handler boundary
             status = failure_status(error, "compare", request.session_hash)
@@ -256,12 +296,23 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
     def refresh(self, request: gr.Request) -> tuple:
         """Page load: a new page (a reload too) is a new Gradio session, so this shows an empty chat, the
-        server's stats, the max_length field fitted to the backend, and registers the visitor; closing the page
-        frees the session."""
+        server's stats, the max_length field fitted to the backend, the default protocol's prompt, and registers
+        the visitor; closing the page frees the session."""
         entry = self.store.get(request.session_hash)
         session = entry.session
         chat = chat_messages(session.episodes if session else [], self.page_of(entry).notes)
-        return chat, self.token_view(session), self.stats(session), self.max_length_field()
+        return chat, self.token_view(session), self.stats(session), self.max_length_field(), self.prompt_field()
+
+    def prompt_field(self) -> str:
+        """The prompt box's value on page load: the default template of the protocol the selector starts on (what
+        `auto` resolves to for this model, e.g. chat for a model whose template lists tools). Before the backend
+        has loaded (never loaded here), or where that protocol cannot run on it, the box as built (textenv's)."""
+        if self.loaded_backend() is None:
+            return gr.skip()
+        try:
+            return self.engine_for(None, page_protocol()).protocol.default_template()
+        except InputError:  # (the turn says why)
+            return gr.skip()
 
     def max_length_field(self):
         """The max_length field for a backend whose context is shorter than the page's default: that context, and

@@ -4,10 +4,10 @@ functions, no Gradio, so every rule about what a visitor may send is tested with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from app.settings import InputError, Settings
+from app.settings import PROTOCOLS, InputError, Settings, default_protocol
 from app.tools import default_tools
 
 # the page's and the API's settings; max_length is their default where the backend's context holds it (max_length_for)
@@ -24,6 +24,12 @@ def tool_names() -> list[str]:
     return list(default_tools())
 
 
+def page_protocol() -> str:
+    """The Protocol selector's value when the page loads: the PROTOCOL environment variable's, else auto."""
+    chosen = default_protocol()
+    return chosen if chosen in PROTOCOLS else "auto"
+
+
 def clean_prompt(prompt: str | None) -> str:
     """The page's system prompt template, or a clear InputError (empty, too long)."""
     if prompt is None or not prompt.strip():
@@ -33,14 +39,32 @@ def clean_prompt(prompt: str | None) -> str:
     return prompt
 
 
+def unedited(prompt: str | None, defaults: Collection[str]) -> bool:
+    """Whether the prompt box holds one of the protocols' default templates as shipped (line ends and surrounding
+    blank space aside)."""
+    def norm(text: str) -> str:
+        return text.replace("\r\n", "\n").strip()
+
+    return prompt is not None and norm(prompt) in {norm(d) for d in defaults}
+
+
+def prompt_for_protocol(prompt: str | None, protocol_default: str, defaults: Collection[str]) -> str | None:
+    """The prompt a protocol runs with: the box's own, but where it holds another protocol's default (unedited),
+    this protocol's default instead (`protocol_default`; `defaults`: every protocol's). So switching the Protocol
+    selector never sends one protocol's default examples to the other, and an edited prompt is kept as written."""
+    return protocol_default if unedited(prompt, defaults) else prompt
+
+
 def max_length_for(context_limit: int) -> int:
     """The page's and the API's default max_length on a backend that holds `context_limit` tokens a session."""
     return min(DEFAULTS.max_length, context_limit)
 
 
-def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0, guide=None) -> Settings:
+def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0, guide=None,
+                  protocol=None) -> Settings:
     """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors.
-    `guide`: the Guided answers checkbox (None: the default, on). A max_length left at the page's default is not
+    `guide`: the Guided answers checkbox (None: the default, on); `protocol`: the Protocol selector (one of
+    PROTOCOLS; None: the default, app.settings.default_protocol). A max_length left at the page's default is not
     given (None): the page shows that value before it knows the backend, which may hold fewer tokens."""
     def number(name, value, kind):
         if value is None or value == "":
@@ -55,6 +79,8 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
 
     if guide is not None and not isinstance(guide, bool):  # (a checkbox sends true or false; a raw call may not)
         raise InputError(f"guide must be true or false, not {guide!r}")
+    if protocol is not None and protocol not in PROTOCOLS:  # (the selector sends one of them; a raw call may not)
+        raise InputError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
     length = number("max_length", max_length, int)
     return dataclasses.replace(
         DEFAULTS,
@@ -65,6 +91,7 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
         max_turns=number("max_turns", max_turns, int),
         temperature=number("temperature", temperature, float),
         seed=number("seed", seed, int),
+        protocol=protocol,
     )
 
 
@@ -82,11 +109,12 @@ class PageSettings:
     prompt: str | None = None
     seed: float | None = 0
     guide: bool | None = None  # None: the default
+    protocol: str | None = None  # the Protocol selector: auto, textenv or chat (None: the default)
 
     def settings(self) -> Settings:
         """The engine Settings, or a clear InputError (make_settings)."""
         return make_settings(self.use_cache, self.max_length, self.max_new_tokens, self.max_turns, self.temperature,
-                             self.seed, self.guide)
+                             self.seed, self.guide, self.protocol)
 
     def tool_list(self) -> list[str]:
         return list(self.tools or [])

@@ -9,10 +9,11 @@ import gradio as gr
 from app.backends import concurrent_turns
 from app.engine import default_prompt_template
 from app.paths import ASSETS
+from app.settings import PROTOCOLS
 from app.serving import closes_elsewhere
 from components.batch import MAX_BATCH, empty_frame
 from components.handlers import ChatService
-from components.inputs import DEFAULTS, PageSettings, tool_names
+from components.inputs import DEFAULTS, PageSettings, page_protocol, tool_names
 from components.status import finished_marker
 from components.timing import COLOR_MAP as TIMING_COLORS
 from components.timing import prefill_frame, time_frame, timing_summary
@@ -47,7 +48,8 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
     # (delete_cache: the Batch tab's downloads, in Gradio's cache folder, go after an hour, checked hourly)
     with gr.Blocks(title="TextEnv Chat", delete_cache=(3600, 3600)) as demo:
         gr.Markdown("# TextEnv Chat\nA small model that calls tools (calculator, Jargon File search) "
-                    "through `<request><Tool>query<call>` … `<response>`; each segment shows why it stopped.")
+                    "through `<request><Tool>query<call>` … `<response>` (protocol textenv) or its chat template's "
+                    "`<tool_call>` JSON (protocol chat); each segment shows why it stopped.")
         with gr.Row():
             with gr.Column(scale=3):
                 with gr.Tabs():
@@ -88,7 +90,8 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                     "after `Result =` is exactly the expected one (thousands separators aside), "
                                     "as in TRL's exact-match reward. **Download episodes** gives the cache-on "
                                     "run's episodes as JSONL, one a line: question, token_ids, mask (0 for the "
-                                    "tokens the guide forced), provenance and reward, as a TRL trainer takes them.")
+                                    "tokens the guide forced), provenance, reward and protocol, as a TRL trainer "
+                                    "takes them.")
                         batch_questions = gr.Textbox(elem_id="batch-questions", label="Questions", lines=6,
                                                      max_lines=20, placeholder="What is 41 * 23? | 943")
                         with gr.Row():
@@ -111,6 +114,12 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                     guide = gr.Checkbox(DEFAULTS.guide, label="Guided answers", elem_id="guide",
                                         info="A grammar keeps each segment to the protocol and opens the answer "
                                              "with the tool's result; the tokens it chose show as \"guide\".")
+                    protocol = gr.Radio(list(PROTOCOLS), value=page_protocol(), label="Protocol", elem_id="protocol",
+                                        info="How model and tools talk: textenv (TRL's TextEnvironment markers, "
+                                             "a few-shot prompt), chat (the model's chat template with its tools, "
+                                             "<tool_call> JSON), or auto (chat where the model's own template "
+                                             "lists tools, else textenv). The status line says which answered; a "
+                                             "change starts a new chat.")
                     max_length = gr.Number(DEFAULTS.max_length, label="max_length (whole session, tokens)",
                                            elem_id="max-length", step=1)
                     max_new_tokens = gr.Number(DEFAULTS.max_new_tokens, label="max_new_tokens (per segment)",
@@ -128,7 +137,12 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                         label="System prompt ({tools} is replaced by the checked tools, one per "
                                               "line, {abilities} and {actions} by their words in a greeting; an "
                                               "example line ending in <call> gets the tool's real output and "
-                                              "answer; a change starts a new chat)")
+                                              "answer; a change starts a new chat)",
+                                        info="Each protocol has its own default: textenv's few-shot lines, or "
+                                             "chat's system paragraph and examples (`Q: question`, then `A: answer`"
+                                             " or `> tool: argument`). Switching the protocol swaps the default "
+                                             "for the other's; an edited prompt stays as written, and one that "
+                                             "does not fit the protocol's format is an error on the status line.")
                 stats = gr.Markdown(service.stats(None), elem_id="stats")
                 tokens = gr.HighlightedText(label="Tokens (system · user · model · guide · tool)", elem_id="tokens",
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
@@ -144,7 +158,7 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
         # the settings controls in PageSettings' order, which the handlers' parameters follow
         controls = dict(use_cache=use_cache, max_length=max_length, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, temperature=temperature, tools=tools, prompt=prompt, seed=seed,
-                        guide=guide)
+                        guide=guide, protocol=protocol)
         settings_inputs = [controls[field.name] for field in dataclasses.fields(PageSettings)]
         turn_inputs = [msg, *settings_inputs]
         charts_outputs = [timing, timing_ms, timing_text]
@@ -186,7 +200,11 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
             [batch_results, batch_summary, batch_status, batch_download, batch_marker],
             concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
             api_name="ui_batch")
-        demo.load(service.refresh, None, [chat, tokens, stats, max_length], concurrency_id="load",
+        # the prompt box follows the protocol while it holds a default (ChatService.protocol_prompt)
+        protocol.change(service.protocol_prompt, [protocol, prompt], [prompt], concurrency_id="protocol",
+                        concurrency_limit=None, show_progress="hidden", api_visibility="private",
+                        api_name="ui_protocol")
+        demo.load(service.refresh, None, [chat, tokens, stats, max_length, prompt], concurrency_id="load",
                   concurrency_limit=None, show_progress="hidden", api_visibility="private",
                   api_name="ui_load").then(**charts, api_name="ui_charts_load")
         demo.unload(service.unload)

@@ -14,12 +14,20 @@ from components.stats import counted
 log = logging.getLogger(__name__)
 
 
-def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ended: str | None = None) -> str:
-    """A turn's or a Compare's final status on the line they share (`ended`: a turn's ending_note); it names the
-    visitor's work still waiting or running, so a plain "done" never stands while more is to come."""
+def done_status(unanswered: int, comparing: int = 0, stopped: bool = False, ended: str | None = None,
+                protocol: str | None = None) -> str:
+    """A turn's or a Compare's final status on the line they share (`ended`: a turn's ending_note; `protocol`: the
+    name of the protocol that answered, what `auto` resolved to); it names the visitor's work still waiting or
+    running, so a plain "done" never stands while more is to come."""
     parts = [f"{counted(unanswered, 'more message')} to answer"] * bool(unanswered)
     done = "done (stopped by user)" if stopped else "done"
-    return " · ".join([done, *[ended] * bool(ended), *parts, *["compare still running"] * bool(comparing)])
+    return " · ".join([done, *[ended] * bool(ended), *[protocol_note(protocol)] * bool(protocol), *parts,
+                       *["compare still running"] * bool(comparing)])
+
+
+def protocol_note(protocol: str) -> str:
+    """The status line's word on which protocol answered."""
+    return f"protocol {protocol}"
 
 
 def finished_marker(count: int) -> str:

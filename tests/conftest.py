@@ -176,6 +176,13 @@ class ForcedModel(torch.nn.Module):
     def dtype(self):
         return self.base.dtype
 
+    def state_dict(self, *args, **kwargs):
+        """The wrapped model's weights, under its own names (LocalBackend.load_weights reaches the base)."""
+        return self.base.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        return self.base.load_state_dict(state, strict=strict, assign=assign)
+
     def forward(self, input_ids, **kwargs):
         out = self.base(input_ids=input_ids, **kwargs)
         logits = out.logits

@@ -118,3 +118,6 @@ def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
     assert ending_note(None) is None
     assert done_status(1, ended="ended by repetition") == "done · ended by repetition · 1 more message to answer"
     assert done_status(0) == "done"
+    assert done_status(0, protocol="chat") == "done · protocol chat"
+    assert done_status(2, 1, ended="ended by EOS", protocol="textenv") == (
+        "done · ended by EOS · protocol textenv · 2 more messages to answer · compare still running")

@@ -95,13 +95,13 @@ def test_compare_counts_with_the_chat_and_batch_counts_apart(tiny_llama):
     service, _ = make_service(tiny_llama, eos_ids=frozenset())
     page_turn(service, sent(service, "hello"))  # chat count 1
     compare = list(service.compare("", *PAGE, default_prompt_template(), request()))
-    assert compare[0][1].startswith("running") and ends(compare, 1, 2) == [("done", 2)]
+    assert compare[0][1].startswith("running") and ends(compare, 1, 2) == [("done · protocol textenv", 2)]
     guide = list(service.compare_guide("again", *PAGE, default_prompt_template(), request()))
-    assert ends(guide, 1, 2) == [("done", 3)] and finished(guide[-1][2]) == 3
+    assert ends(guide, 1, 2) == [("done · protocol textenv", 3)] and finished(guide[-1][2]) == 3
     ((status, count),) = ends(list(service.compare("x", *PAGE, "  ", request())), 1, 2)
     assert status.startswith("error: the system prompt is empty") and count == 4
     batch = list(service.batch("one\ntwo", *PAGE, default_prompt_template(), request()))
-    assert ends(batch, 2, 4) == [("done", 1)] and finished(batch[-1][4]) == 1
+    assert ends(batch, 2, 4) == [("done · protocol textenv", 1)] and finished(batch[-1][4]) == 1
     ((status, count),) = ends(list(service.batch("", *PAGE, default_prompt_template(), request())), 2, 4)
     assert status.startswith("error: no questions") and count == 2
     assert service.page_state("page-1").chat_finished.count == 4  # (the batch lane's runs are not the chat's)

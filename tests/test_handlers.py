@@ -62,7 +62,7 @@ def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
     service, _ = make_service(tiny_llama, calculator_plan)
     outputs = turn(service, "What is 41 * 23?")
     chat, textbox, status, tokens, stats, _ = outputs[-1]
-    assert status == "done" and textbox == gr.skip()  # cleared at the start; text typed since is kept
+    assert status == "done · protocol textenv" and textbox == gr.skip()  # cleared at the start; text typed since is kept
     assert outputs[0][2] == "running" and outputs[0][1] == gr.skip()  # the page emptied the box on submit
     assert all(o[2] == "running" for o in outputs[:-1])
     assert any("generating" in str(o[0][-1:]) for o in outputs[:-1])  # streamed token by token
@@ -128,7 +128,7 @@ def test_stop_cancels_between_tokens_and_keeps_the_partial_segment(tiny_llama):
         if len(outputs) == 4:  # a few tokens in: press stop (its handler only sets the Event)
             service.stop(request())
     chat, _, status, *_ = outputs[-1]
-    assert status == "done"
+    assert status == "done · protocol textenv"
     assert "stop: stopped by user" in chat[-1]["content"]
     segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
     assert segment.stop.reason is StopReason.CANCELLED and 0 < segment.generated_tokens < 200
@@ -175,7 +175,7 @@ def test_a_turns_done_says_so_while_a_compare_of_the_visitors_still_runs(tiny_ll
     assert next(compare)[1] == "running: compare (cache on, then off)"
     status = page_turn(service, service.submit("second", [], request())[1], max_new_tokens=3)[2]
     assert plain(status) == "done · compare still running"
-    assert list(compare)[-1][1] == "done"
+    assert list(compare)[-1][1] == "done · protocol textenv"
     assert plain(page_turn(service, service.submit("third", [], request())[1], max_new_tokens=3)[2]) == "done"
 
 
@@ -242,7 +242,7 @@ def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tin
     *_, last = first
     order.insert(0, last[2])
     runner.join(30)
-    assert order[0] == "done · 1 more message to answer" and order[-1] == "stopped: the message was not sent"
+    assert order[0] == "done · protocol textenv · 1 more message to answer" and order[-1] == "stopped: the message was not sent"
 
 
 def test_a_message_a_new_chat_has_no_room_for_leaves_the_chat_as_it_was(tiny_llama):

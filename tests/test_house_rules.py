@@ -128,6 +128,8 @@ def broken_rules(graph: dict[str, set[str]], raw: dict[str, set[str]]) -> list[s
         in_kernels = m.startswith("app.kernels")
         if in_app and tops & {"components", "gradio"}:
             problems.append(f"{m} imports {sorted(tops & {'components', 'gradio'})}: app/ has no UI imports")
+        if "trl" in tops and not m.startswith("app.training"):
+            problems.append(f"{m} imports trl: only app/training/ does (requirements-train.txt, optional)")
         if "ctypes" in tops and not in_kernels:
             problems.append(f"{m} imports ctypes: C is reached only through app/kernels/")
         if in_app and not in_kernels and any(t.startswith("app.kernels.native") for t in graph[m]):
@@ -166,6 +168,7 @@ def test_c_sources_live_only_in_the_kernels_package():
      "app.engine.engine imports app.serving.sessions: rank 5"),
     ({"app.episode": {"app.decoding.stops"}, "app.decoding.stops": set()}, {}, "app.episode imports app.decoding.stops"),
     ({"app.newpkg.x": set()}, {}, "app.newpkg.x has no rank"),
+    ({"app.engine.x": set()}, {"app.engine.x": {"trl.trainer"}}, "app.engine.x imports trl"),
 ])
 def test_each_rule_catches_what_it_forbids(graph, raw, expected):
     """Each rule fails on a tree that breaks it (so the test above can fail)."""

@@ -310,7 +310,7 @@ def test_page_and_api_on_the_server_backend(backend):
     outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
                                 service_prompt(), page))
     chat, _, status, _, stats, _ = outputs[-1]
-    assert status == "done" and "string match `<call>`" in chat[1]["content"]
+    assert status == "done · protocol textenv" and "string match `<call>`" in chat[1]["content"]
     assert f"Model: {backend.name}" in stats and "live on the model server" in stats
     assert service.api_ask("What is 12 * 9?")["backend"] == backend.name
 
@@ -406,7 +406,8 @@ def test_guide_off_the_server_writes_freely(proxied):
     assert all("grammar" not in body and "structured_outputs" not in body for body in sent)
     assert all(s.provenance is None and s.generated_tokens == s.end - s.start for s in episode.model_segments)
     data = episode.to_json()
-    assert data["guide"] is False and not any("guided" in s for s in data["segments"])
+    assert data["guide"] is False and all(s["guided"] == {"forced_tokens": 0, "steered_tokens": 0}
+                                          for s in data["segments"] if s["kind"] == "model")
 
 
 @llama_only
@@ -453,7 +454,7 @@ def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_t
         broken.clear()  # the page's session goes on: its next guided turn is answered
         outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
                                     service_prompt(), page))
-        assert outputs[-1][2] == "done"
+        assert outputs[-1][2] == "done · protocol textenv"
         assert service.store.get("page-1").session.episodes[-1].answer.startswith("Result = 943")
         httpd.shutdown()
 

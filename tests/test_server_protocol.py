@@ -15,7 +15,7 @@ from app.decoding.stops import Stop, StopReason
 from app.engine.comparisons import Comparison
 from app.engine.engine import Engine
 from app.episode import Episode, Provenance, Segment
-from app.protocol import CALL, encode
+from app.protocol import CALL, STOP_STRINGS, encode
 from app.settings import Settings
 from components.chat import segment_footer
 from components.compare import compare_markdown
@@ -54,7 +54,7 @@ def test_vllm_usage_with_and_without_cached_tokens():
 
 
 def test_vllm_requests_ids_stops_and_a_salt_when_the_cache_is_off():
-    on = Vllm("m").request([1, 2, 3], Settings(), 16, 7)
+    on = Vllm("m").request([1, 2, 3], Settings(), 16, 7, stops=STOP_STRINGS)  # (the protocol's, from the engine)
     off = Vllm("m").request([1, 2, 3], Settings(use_cache=False), 16, 7)
     assert on["prompt"] == [1, 2, 3] and on["max_tokens"] == 16 and on["return_token_ids"] is True
     assert on["include_stop_str_in_output"] is True and CALL in on["stop"] and "cache_salt" not in on

@@ -226,7 +226,7 @@ def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(t
     outputs = compare_outputs(service, "What is 41 * 23?")  # no chat yet: a fresh session
     assert outputs[0][1].startswith("running")
     text, status, _ = outputs[-1]
-    assert status == "done"
+    assert status == "done · protocol textenv"
     assert "identical tokens: yes" in text and "| | cache on | cache off |" in text
     assert text.count("Result = 943&lt;submit&gt;") == 2
     assert service.store.peek("page-1").session is None  # compare never creates or changes the chat
@@ -236,7 +236,7 @@ def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(t
     session = service.store.peek("page-1").session
     before = (list(session.cache.ids), len(session.episodes))
     text, status, _ = compare_outputs(service, "")[-1]
-    assert status == "done" and "Question: What is 41 \\* 23?" in text and "identical tokens: yes" in text
+    assert status == "done · protocol textenv" and "Question: What is 41 \\* 23?" in text and "identical tokens: yes" in text
     assert (session.cache.ids, len(session.episodes)) == before
     assert service.store.peek("page-1").session is session
 
@@ -253,7 +253,7 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
     text = "What is 41 * 23? | 943\nWhat is ninety-six over eight? | 12"
     outputs = list(service.batch(text, *SETTINGS, TOOLS, default_prompt_template(), request()))
     frame, summary, status, download, _ = outputs[-1]
-    assert status == "done" and outputs[0][2] == "running"
+    assert status == "done · protocol textenv" and outputs[0][2] == "running"
     assert outputs[0][3].interactive is False and all(o[3] == gr.skip() for o in outputs[1:-1])
     assert download.interactive is True and download.value["orig_name"] == "batch-episodes.jsonl"
     path = Path(download.value["path"])  # in Gradio's cache folder, which serves it, in a folder of its own
@@ -334,7 +334,7 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
     submitted = service.submit("What is 41 * 23?", [], request())[1]
     outputs = list(service.chat_page(submitted, *SETTINGS, TOOLS, default_prompt_template(), request()))
     assert all(o[6:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
-    assert outputs[-1][2] == "done"
+    assert outputs[-1][2] == "done · protocol textenv"
     tokens_plot, ms_plot, summary = outputs[-1][6:]
     episode = service.store.peek("page-1").session.episodes[-1]
     assert summary == timing_summary([episode])
@@ -360,7 +360,7 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
     ticket = service.ticket(request())
     text, status, _ = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
                                         ticket=ticket))[-1]
-    assert status == "done (stopped by user)" and text.count("stopped by user") == 3  # both runs + the verdict
+    assert status == "done (stopped by user) · protocol textenv" and text.count("stopped by user") == 3  # both runs + the verdict
     assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
     assert loaded.model.step < 20
 
@@ -378,7 +378,7 @@ def test_new_chat_during_a_batch_leaves_the_batch_running(tiny_llama):
     loaded.model.forward = forward_then_new_chat
     frame, summary, status, *_ = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
                                                    request(), ticket=service.batch_ticket(request())))[-1]
-    assert status == "done" and "total time, cache off" in summary
+    assert status == "done · protocol textenv" and "total time, cache off" in summary
     assert "stopped by user" not in " ".join(frame["stops"])
 
 
@@ -421,7 +421,7 @@ def test_episode_records_are_one_json_line_each():
     episode = answer_episode("Qué es 6*7?", "Result = 42<submit>")
     episode.reward = 1.0
     record = episode_record(episode)
-    assert set(record) == {"question", "answer", "token_ids", "mask", "provenance", "reward", "guide"}
+    assert set(record) == {"question", "answer", "token_ids", "mask", "provenance", "reward", "guide", "protocol"}
     text = episodes_jsonl([episode, episode])
     assert text.count("\n") == 2 and text.endswith("\n") and "Qué" in text  # (UTF-8 as is)
     assert json.loads(text.splitlines()[1]) == record

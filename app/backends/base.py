@@ -47,6 +47,9 @@ class SegmentRun:
     # with a grammar: who chose each token the segment added (app.episode.Provenance), filled in by the backend
     provenance: list[Provenance] | None = None
     steered_known: bool = True  # False where the backend cannot tell a steered token from the model's own
+    # given by the engine as [] where Settings.logprobs asks: each added token's log-probability under the logits it
+    # was sampled from (app.decoding.sampling.token_logprobs), 0.0 for a token the guide forced; filled by the backend
+    logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)

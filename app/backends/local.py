@@ -18,7 +18,7 @@ import torch
 from app.backends.base import BackendStats, SegmentRun
 from app.decoding.choose import choose_tokens
 from app.decoding.guide_matcher import GuideMatcher, GuideVocab
-from app.decoding.sampling import PromptLookup
+from app.decoding.sampling import PromptLookup, token_logprobs
 from app.decoding.stops import Detokenizer, StopChecker
 from app.episode import Provenance, Stop, StopReason
 from app.model.family import describe, fast_path_reason
@@ -105,6 +105,12 @@ class LocalBackend:
 
     def prefill(self, cache: TokenCache) -> None:
         if cache.cached == 0 and len(cache) > 1:
+            self.scheduler.forward(cache)
+
+    def prefill_rest(self, cache: TokenCache) -> None:
+        """Compute the keys/values of `cache`'s uncached ids (a group's question after the shared system prompt,
+        app.engine.groups), so that its forks need not."""
+        if cache.cached < len(cache) - 1:
             self.scheduler.forward(cache)
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
@@ -216,7 +222,8 @@ class LocalSegment:
                 self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
             cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
             cache.extend(tokens[-1:])
-            deltas = self._take(tokens, chosen_by, self.base)
+            logprobs = None if run.logprobs is None else token_logprobs(result.logits, tokens, settings.temperature)
+            deltas = self._take(tokens, chosen_by, self.base, logprobs)
         except Exception:
             self.failed_step()
             raise
@@ -234,9 +241,10 @@ class LocalSegment:
         self.cache.extend(forced)
         return self._take(forced, [Provenance.FORCED] * len(forced), at)
 
-    def _take(self, tokens: list[int], chosen_by: list[Provenance], at: int) -> list[str]:
+    def _take(self, tokens: list[int], chosen_by: list[Provenance], at: int,
+              logprobs: list[float] | None = None) -> list[str]:
         """The segment takes `tokens` (in the ids from position `at`): each one's text, checked in order for a
-        stop; nothing after a stop is kept. Their text deltas."""
+        stop; nothing after a stop is kept. Their text deltas. `logprobs`: the tokens' own (None: forced, 0.0)."""
         run, settings, deltas = self.run, self.settings, []
         with self.lock:  # the tokenizer
             for i, token in enumerate(tokens):
@@ -244,6 +252,8 @@ class LocalSegment:
                 run.generated_tokens += chosen_by[i] is not Provenance.FORCED
                 if run.provenance is not None:
                     run.provenance.append(chosen_by[i])
+                if run.logprobs is not None:
+                    run.logprobs.append(0.0 if logprobs is None else logprobs[i])
                 deltas.append(self.detok.push(token))
                 run.stop = self.stops.check(token, deltas[-1], self.added, settings.max_new_tokens, at + i + 1,
                                             settings.max_length)

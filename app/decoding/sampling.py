@@ -62,3 +62,16 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float) -> list[float]:
+    """log p(token) for tokens[i] under logits[i], as a trainer recomputes them (TRL's selective_log_softmax): a
+    log-softmax of the logits divided by the temperature (1 when greedy), over the whole vocabulary (top_p does not
+    renormalize it)."""
+    import torch
+
+    rows = logits[: len(tokens)].float()
+    if temperature > 0:
+        rows = rows / temperature
+    picked = torch.tensor(tokens, dtype=torch.long).unsqueeze(-1)
+    return torch.log_softmax(rows, dim=-1).gather(-1, picked).squeeze(-1).tolist()

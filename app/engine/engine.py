@@ -151,9 +151,10 @@ class Engine:
 
     def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
         cache = session.cache
-        query_ids = self.query_ids(session, question, settings)
-        episode = Episode(question, len(cache), len(cache) + len(query_ids), settings.use_cache, self.backend.name,
-                          guide=settings.guide)
+        asked, session.asked = session.asked, 0  # a group's fork holds its question already (app.engine.groups)
+        query_ids = [] if asked else self.query_ids(session, question, settings)
+        episode = Episode(question, len(cache) - asked, len(cache) + len(query_ids), settings.use_cache,
+                          self.backend.name, guide=settings.guide)
         cache.extend(query_ids)
         if settings.use_cache and cache.cached == 0:  # evicted: the shared prompt's part need not be recomputed
             self._reuse_prompt(cache)
@@ -226,7 +227,7 @@ class Engine:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
         run = SegmentRun(stop_strings=self.protocol.stop_strings, grammar=guide.grammar if guide else None,
-                         provenance=[] if guide else None)
+                         provenance=[] if guide else None, logprobs=[] if settings.logprobs else None)
         yield SegmentStarted(row, "model")
         try:
             if len(cache) >= settings.max_length:
@@ -237,6 +238,8 @@ class Engine:
                     opening = self._opening_ids(guide.opening)
                     cache.extend(opening)
                     run.provenance += [Provenance.FORCED] * len(opening)
+                    if run.logprobs is not None:
+                        run.logprobs += [0.0] * len(opening)
                     if shown := stream.push(guide.opening):
                         yield TextDelta(row, shown)
                     ending = next((s for s in self.protocol.stop_strings if guide.opening.endswith(s)), None)
@@ -258,7 +261,8 @@ class Engine:
                               stop=run.stop or Stop(StopReason.CANCELLED), prefill_tokens=run.prefill_tokens,
                               cached_tokens=run.cached_tokens, generated_tokens=run.generated_tokens,
                               ms=(time.perf_counter() - began) * 1000, steered_known=run.steered_known,
-                              provenance=None if run.provenance is None else run.provenance[: len(cache) - start])
+                              provenance=None if run.provenance is None else run.provenance[: len(cache) - start],
+                              logprobs=None if run.logprobs is None else run.logprobs[: len(cache) - start])
             episode.segments.append(segment)
         yield SegmentFinished(row, segment)
         return segment

@@ -62,8 +62,9 @@ def make_service(tiny_llama, plan=None, eos_ids=None):
 
 
 def plain(status: str) -> str:
-    """A final status without its ending note (these turns' tiny max_new_tokens end them: "ended by max_length")."""
-    return re.sub(r" · ended by [^·]*?(?= · |$)", "", status)
+    """A final status without its ending note (these turns' tiny max_new_tokens end them: "ended by max_length")
+    and without the protocol that answered ("protocol textenv")."""
+    return re.sub(r" · (ended by [^·]*?|protocol \w+)(?= · |$)", "", status)
 
 
 def turn(service, message, key="page-1", use_cache=True, max_length=4096, max_new_tokens=16, max_turns=4,

@@ -47,7 +47,7 @@ def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
 STORIES = ("Stories\n\nQ: Tell me a story about a cat.\nOnce upon a time, a cat lived in a small house by the sea. "
            "Every morning she walked along the beach, and every evening she told the fishermen what she had seen. "
            "One day she found a bottle with a letter inside, and that was the start of a long journey.\n")
-DONE = re.compile(r"^\s*done( · ended by [^\n·]*)?\s*$")  # (tests' tiny max_new_tokens: "ended by max_length …")
+DONE = re.compile(r"^\s*done( · ended by [^\n·]*)?( · protocol textenv)?\s*$")  # (tests' tiny max_new_tokens: "ended by max_length …")
 
 
 def model_parts(page: Page) -> list[str]:
@@ -103,11 +103,11 @@ def test_search_question_ends_cleanly_with_the_definition(open_page):
 def test_tiny_max_length_stops_with_max_length(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 1)
-    send(page, "Hi", status="done · ended by max_length (max_new_tokens)")  # (the status says why: no answer)
+    send(page, "Hi", status="done · ended by max_length (max_new_tokens) · protocol textenv")  # (the status says why: no answer)
     tokens = int(re.search(r"This chat: (\d+) tokens", page.locator("#stats").inner_text())[1])
     set_number(page, "max-length", tokens + 24)
     set_number(page, "max-new-tokens", 64)
-    send(page, "Write a very long story about a dragon.", status="done · ended by max_length (session max_length)")
+    send(page, "Write a very long story about a dragon.", status="done · ended by max_length (session max_length) · protocol textenv")
     assert "stop: max_length (session max_length)" in model_parts(page)[-1]
     send(page, "And another one?", status=re.compile(r"^\s*error: the context is full"))
     expect(page.locator("#status")).to_contain_text("start a new chat")
@@ -176,7 +176,7 @@ def test_stop_cancels_generation(open_page):
     expect(bot_messages(page).last).to_contain_text("generating", timeout=TURN_MS)
     expect(bot_messages(page).last).to_contain_text(re.compile(r"\w+ \w+ \w+"), timeout=TURN_MS)
     page.locator("#stop").click()
-    expect(page.locator("#status")).to_have_text("done", timeout=TURN_MS)  # (stopped: no "ended by")
+    expect(page.locator("#status")).to_have_text("done · protocol textenv", timeout=TURN_MS)  # (stopped: no "ended by")
     last = model_parts(page)[-1]
     assert "stop: stopped by user" in last
     generated = int(re.search(r"(\d+) generated", last)[1])

@@ -70,7 +70,7 @@ def test_compare_guide_shows_the_guide_on_and_off_side_by_side(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 48)
     page.locator("#msg textarea").fill(LOOK_UP)
-    assert click_and_wait(page, "compare-guide") == "done"
+    assert click_and_wait(page, "compare-guide") == "done · protocol textenv"
     result = page.locator("#compare-result")
     expect(result.locator("th")).to_have_text(["", "guide on", "guide off"])
     for row in ("answer", "tool calls", "tokens forced by the guide", "tokens steered by the guide",

@@ -28,7 +28,7 @@ def test_compare_shows_both_columns_and_identical_tokens(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 24)
     page.locator("#msg textarea").fill("What is 41 * 23?")
-    assert click_and_wait(page, "compare") == "done"
+    assert click_and_wait(page, "compare") == "done · protocol textenv"
     result = page.locator("#compare-result")
     expect(result.locator("th")).to_have_text(["", "cache on", "cache off"])
     expect(result).to_contain_text("identical tokens: yes")
@@ -64,7 +64,7 @@ def test_batch_tab_with_builtin_questions(open_page):
     page.locator("#batch-load").click()
     expect(questions).to_have_value(re.compile(r"\| 943\n"))
     questions.fill("\n".join(questions.input_value().splitlines()[:2]))
-    assert click_and_wait(page, "batch-run", BATCH) == "done"
+    assert click_and_wait(page, "batch-run", BATCH) == "done · protocol textenv"
     rows = page.locator("#batch-results div[role=row]")  # data rows (the header is a <tr>)
     expect(rows).to_have_count(2)
     expect(rows.first).to_contain_text("What is 41 * 23?")
@@ -104,7 +104,7 @@ def test_batch_stop_button_stops_the_run(open_page):
     status = page.locator("#batch-status")
     expect(status).to_contain_text("running", timeout=TURN_MS)  # (the rows run at once: they finish together)
     page.locator("#batch-stop").click()
-    expect(status).to_have_text("done (stopped by user)", timeout=TURN_MS)
+    expect(status).to_have_text("done (stopped by user) · protocol textenv", timeout=TURN_MS)
     expect(page.locator("#batch-summary")).not_to_contain_text("cache off")  # the second pass never ran
 
 

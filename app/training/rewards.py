@@ -1,0 +1,23 @@
+"""Rewards from the environment, as GRPOTrainer's reward_funcs: each takes the batch's columns (the dataset's and
+the rollout's extra fields, app.training.rollout) by keyword and returns one float per completion."""
+
+from __future__ import annotations
+
+from app.engine.rewards import exact_match
+
+
+def exact_match_reward(completions: list, answer: list[str], expected: list[str | None] | None = None,
+                       **_) -> list[float | None]:
+    """1.0 where the episode's answer submits the dataset's `expected` value (app.engine.rewards.exact_match), 0.0
+    where it does not; None (no reward, as TRL reads it) for a row without an expected value (a look-up)."""
+    expected = expected or [None] * len(answer)
+    return [None if want is None else exact_match(got, want) for got, want in zip(answer, expected, strict=True)]
+
+
+def well_formed_call_reward(completions: list, tool_calls: list[list], tool_ok: list[list[bool]],
+                            **_) -> list[float]:
+    """1.0 where the episode called a tool and every call parsed and ran (no tool error), else 0.0."""
+    return [float(bool(calls) and all(ok)) for calls, ok in zip(tool_calls, tool_ok, strict=True)]
+
+
+REWARD_FUNCS = [exact_match_reward, well_formed_call_reward]

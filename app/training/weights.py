@@ -1,0 +1,35 @@
+"""The policy's weights into the engine: an in-place float32 copy into the running model, or a fresh int8 model
+quantized from them (docs/training.md measures both)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from app.backends.local import LocalBackend
+from app.model.loading import wrap
+
+SYNC_MODES = ("float32", "int8")
+
+
+def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained model's weights, detached (a state dict under the names the engine's model uses)."""
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
+def sync(backend: LocalBackend, policy: torch.nn.Module, mode: str) -> tuple[LocalBackend, float]:
+    """The backend that samples from `policy`'s current weights, and the seconds it took: float32 copies them into
+    `backend`'s model in place (between two scheduler steps); int8 quantizes a copy of `policy` into a new backend
+    (the old one's scheduler released)."""
+    began = time.perf_counter()
+    if mode == "float32":
+        backend.load_weights(trainer_weights(policy))
+        return backend, time.perf_counter() - began
+    if mode != "int8":
+        raise ValueError(f"weight sync must be one of {', '.join(SYNC_MODES)} (got {mode!r})")
+    model = copy.deepcopy(policy).float()
+    fresh = LocalBackend(wrap(model, backend.tokenizer, backend.loaded.name, "int8"))
+    backend.scheduler.release()
+    return fresh, time.perf_counter() - began
