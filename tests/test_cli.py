@@ -30,7 +30,8 @@ def test_ask_json_schema_for_a_batch_with_a_calculator_call():
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [o["question"] for o in lines] == ["What is 41 * 23?", "Hello, who are you?"]
     calc = lines[0]
-    assert set(calc) == {"question", "answer", "backend", "total_tokens", "cache", "guide", "segments"}
+    assert set(calc) == {"question", "answer", "backend", "protocol", "total_tokens", "cache", "guide",
+                         "segments"}
     assert calc["guide"] is True  # (guided answers: on by default)
     assert calc["backend"].startswith("in-process (")  # which backend answered (a model server names itself)
     assert calc["cache"]["enabled"] is True and calc["cache"]["reused_tokens"] > calc["cache"]["prefill_tokens"]
