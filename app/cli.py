@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-tool-response", type=int, default=Settings.max_tool_response, help="characters")
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ask.add_argument("--top-p", type=float, default=1.0)
+    ask.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
     ask.add_argument("--seed", type=int, default=0)
     ask.add_argument("--draft-tokens", type=int, default=8,
                      help="greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)")
@@ -84,7 +85,7 @@ def _ask(args) -> int:
 
     settings = Settings(max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_turns=args.max_turns,
                         max_tool_response=args.max_tool_response, temperature=args.temperature,
-                        top_p=args.top_p, use_cache=not args.no_cache, seed=args.seed,
+                        top_p=args.top_p, top_k=args.top_k, use_cache=not args.no_cache, seed=args.seed,
                         draft_tokens=args.draft_tokens, guide=args.guide, protocol=args.protocol)
     # Everything a user can get wrong is checked before the model loads (seconds).
     settings = settings.validated(context_limit=10**6)

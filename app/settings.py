@@ -37,6 +37,7 @@ class Settings:
     max_tool_response: int = 400  # characters of tool output the model reads
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # sample from the k most likely tokens only (0 = all)
     use_cache: bool = True
     seed: int = 0
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
@@ -60,6 +61,7 @@ class Settings:
             (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 5,
              f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 5"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.top_k <= 1_000_000, "top_k must be between 0 (off) and 1000000"),
             (0 <= self.draft_tokens <= 32, "draft_tokens must be between 0 and 32"),
             (0 <= self.seed < 2**63, "seed must be between 0 and 2**63 - 1"),
             (isinstance(self.guide, bool), "guide must be true or false"),

@@ -83,6 +83,9 @@ def run_trl(trainer, prompts: list) -> dict:
         return single_turn(prompt_ids, *a, **k)
 
     trainer._generate_single_turn = counted
+    # the per-rollout tool dicts _generate_and_score_completions builds before it calls _generate (TRL 1.16)
+    trainer._sync_tool_dicts = [{tool.__name__: tool for tool in trainer._standalone_tools} for _ in prompts]
+    trainer._async_tool_dicts = [{} for _ in prompts]
     torch.manual_seed(0)
     began = time.perf_counter()
     with torch.no_grad():
@@ -94,17 +97,22 @@ def run_trl(trainer, prompts: list) -> dict:
                 generated=sum(sum(m) for m in mask) if mask is not None else sum(map(len, completion_ids)))
 
 
-def run_ours(rollout: EngineRollout, questions: list[str], generations: int, args) -> dict:
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0), temperature=args.temperature, top_p=1.0,
-                              top_k=0, max_completion_length=args.max_completion_length,
-                              max_tool_calling_iterations=args.max_turns)
+def run_ours(rollout: EngineRollout, policy, questions: list[str], generations: int, args) -> dict:
+    """One training step's rollouts as GRPOTrainer would call them: at a new global_step, so the engine first takes
+    the policy's weights (the sync, timed apart) and prefills the system prompt again from them (timed: TRL's
+    generate computes it too), then runs every completion."""
+    rollout.step += 1
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=rollout.step), temperature=args.temperature,
+                              top_p=1.0, top_k=0, max_completion_length=args.max_completion_length,
+                              max_tool_calling_iterations=args.max_turns, model=policy,
+                              accelerator=SimpleNamespace(unwrap_model=lambda model: model))
     prompts = [q for q in questions for _ in range(generations)]
     began = time.perf_counter()
     out = rollout(prompts, trainer)
-    seconds = time.perf_counter() - began
+    sync = rollout.stats.sync_seconds[-1]
     calls = statistics.mean(len(c) for c in out["tool_calls"])
-    return dict(seconds=seconds, prefill=rollout.stats.prefill_tokens, rows=len(out["completion_ids"]),
-                calls=calls, generated=rollout.stats.generated_tokens)
+    return dict(seconds=time.perf_counter() - began - sync, sync=sync, prefill=rollout.stats.prefill_tokens,
+                rows=len(out["completion_ids"]), calls=calls, generated=rollout.stats.generated_tokens)
 
 
 def main() -> int:
@@ -126,13 +134,18 @@ def main() -> int:
     system = [{"content": "", **m} for m in system]  # (TRL reads every message's content; a call has none)
     questions = [q for q, _ in ARITHMETIC["wide"][: args.questions]]
     policy = copy.deepcopy(loaded.model)
-    ours = {"ours, float32": EngineRollout(LocalBackend(loaded), protocol="chat", sync=None, seed=0),
-            "ours, int8": EngineRollout(LocalBackend(load_model(weights="int8")), protocol="chat", sync=None, seed=0)}
+    ours = {"ours, float32": EngineRollout(LocalBackend(loaded), protocol="chat", sync="float32", seed=0),
+            "ours, int8": EngineRollout(LocalBackend(load_model(weights="int8")), protocol="chat", sync="int8", seed=0)}
+    for rollout in ours.values():
+        rollout.step = 0
     print(f"CPU: {cpu_name()}; {len(questions)} questions (tuning set), temperature {args.temperature}, "
           f"max_completion_length {args.max_completion_length}, max tool calls {args.max_turns}, chat protocol, "
           "guide off; TRL 1.16 GRPOTrainer(tools=...) without vLLM")
-    header = f"{'G':>2} {'run':26} {'seconds':>8} {'prefilled':>10} {'model tokens':>12} {'calls/row':>9} " \
-             f"{'compl/s':>8} {'x TRL':>7}"
+    print("seconds: the step's rollouts (ours: the system prompt prefilled again from the new weights, then every "
+          "completion); sync: ours taking the policy's weights first (TRL samples from the policy itself); "
+          "x TRL: seconds / TRL's, and (sync + seconds) / TRL's")
+    header = f"{'G':>2} {'run':26} {'seconds':>8} {'sync':>6} {'prefilled':>10} {'model tokens':>12} " \
+             f"{'calls/row':>9} {'compl/s':>8} {'x TRL':>7} {'w/ sync':>7}"
     print(header)
     for generations in args.generations:
         rows = len(questions) * generations
@@ -143,12 +156,15 @@ def main() -> int:
             trainer = trl_trainer(policy, tokenizer, args, generations, rows, continuous)
             results[name] = run_trl(trainer, prompts)
         for name, rollout in ours.items():
-            run_ours(rollout, questions[:1], 1, args)  # (the shared prompt's one prefill, outside the timing)
-            results[name] = run_ours(rollout, questions, generations, args)
+            if rollout.step == 0:
+                run_ours(rollout, policy, questions[:1], 1, args)  # (warm-up: first passes, thread pools)
+            results[name] = run_ours(rollout, policy, questions, generations, args)
         base = results["TRL, generate"]["seconds"]
         for name, r in results.items():
-            print(f"{generations:2d} {name:26} {r['seconds']:8.2f} {r['prefill']:10d} {r['generated']:12d} "
-                  f"{r['calls']:9.2f} {r['rows'] / r['seconds']:8.2f} {r['seconds'] / base:7.3f}", flush=True)
+            sync = r.get("sync", 0.0)
+            print(f"{generations:2d} {name:26} {r['seconds']:8.2f} {sync:6.2f} {r['prefill']:10d} "
+                  f"{r['generated']:12d} {r['calls']:9.2f} {r['rows'] / r['seconds']:8.2f} "
+                  f"{r['seconds'] / base:7.3f} {(r['seconds'] + sync) / base:7.3f}", flush=True)
     for rollout in ours.values():
         rollout.backend.scheduler.release()
     return 0

@@ -13,7 +13,7 @@ from app.tools import default_tools
 # the page's and the API's settings; max_length is their default where the backend's context holds it (max_length_for)
 DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
-                "use_cache", "seed", "draft_tokens", "guide", "protocol")
+                "top_k", "use_cache", "seed", "draft_tokens", "guide", "protocol")
 FLAGS = ("use_cache", "guide")  # the settings that are true or false
 
 

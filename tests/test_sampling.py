@@ -68,3 +68,28 @@ def test_greedy_picks_what_torch_argmax_picks(case):
         logits = logits.bfloat16()
     row = logits[:, 5] if case == "strided" else logits[1]
     assert greedy(row) == int(torch.argmax(row))
+
+
+def test_top_k_of_one_is_greedy(tiny_llama):
+    engine = Engine(tiny_llama, tools={}, prompt=PROMPT)
+    greedy_ids = answer(engine, Settings(max_new_tokens=20, max_turns=0))
+    assert answer(engine, Settings(max_new_tokens=20, max_turns=0, temperature=2.0, top_k=1), seed=5) == greedy_ids
+
+
+@pytest.mark.parametrize("top_k, allowed", [(2, {7, 3}), (3, {7, 3, 9}), (0, None)])
+def test_top_k_samples_only_among_the_k_largest_logits(top_k, allowed):
+    from app.decoding.sampling import next_token
+
+    logits = torch.full((16,), -1.0)
+    logits[[7, 3, 9]] = torch.tensor([3.0, 2.9, 2.8])
+    generator = torch.Generator().manual_seed(0)
+    picks = {next_token(logits, 5.0, 1.0, generator, top_k) for _ in range(400)}
+    assert picks <= allowed if allowed else len(picks) > 3  # (top_k 0: a hot temperature reaches the rest too)
+    assert allowed is None or picks == allowed
+
+
+def test_a_negative_top_k_is_refused():
+    from app.settings import InputError
+
+    with pytest.raises(InputError, match="top_k"):
+        Settings(top_k=-1).validated(2048)

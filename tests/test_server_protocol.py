@@ -130,3 +130,10 @@ def test_counts_a_server_did_not_report_show_as_not_reported():
     assert "not reported tokens prefilled" in timing_summary([episode])
     table = compare_markdown(Comparison(episode, episode, 1.0, 1.0))
     assert "| tokens prefilled, all segments | not reported | not reported |" in table
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_both_servers_are_sent_the_top_k_setting(top_k):
+    settings = Settings(temperature=0.7, top_k=top_k)
+    assert LlamaCpp().request([1], settings, 4, 0)["top_k"] == top_k  # (llama.cpp: 0 = all tokens)
+    assert Vllm("m").request([1], settings, 4, 0).get("top_k", 0) == top_k

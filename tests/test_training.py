@@ -144,3 +144,14 @@ def test_grpo_trainer_runs_two_steps_on_the_rollouts(tiny_llama, tmp_path):
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     rollout.backend.scheduler.release()
+
+
+def test_the_trainers_sampling_settings_reach_every_group(tiny_llama):
+    from types import SimpleNamespace
+
+    rollout = EngineRollout(tiny_llama, tools={}, prompt=PROMPT, sync=None)
+    trainer = SimpleNamespace(temperature=0.9, top_p=0.8, top_k=20, max_completion_length=30,
+                              max_tool_calling_iterations=3)
+    settings = rollout.settings(trainer, prompt_tokens=50)
+    assert (settings.temperature, settings.top_p, settings.top_k, settings.max_turns) == (0.9, 0.8, 20, 3)
+    assert settings.max_length == 80 and settings.logprobs and not settings.guide

@@ -216,7 +216,7 @@ class LocalSegment:
                 # (neither drafts nor the tokens the guide forced before the first pass are prompt)
                 run.prefill_tokens, run.cached_tokens = result.fed - len(drafts) - self.added, result.reused
             tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
-                                              self.generator, self.guide)
+                                              self.generator, self.guide, settings.top_k)
             if drafts:
                 full = len(tokens) > len(drafts)
                 self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)

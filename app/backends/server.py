@@ -88,7 +88,7 @@ class LlamaCpp:
                 grammar: str | None = None, stops: tuple[str, ...] = ()) -> dict:
         body = {"prompt": ids, "n_predict": max_tokens, "stream": True, "stop": list(stops),
                 "cache_prompt": settings.use_cache, "return_tokens": True, "timings_per_token": True,
-                "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0, "min_p": 0.0,
+                "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k, "min_p": 0.0,
                 "seed": seed}
         if grammar is not None:
             body["grammar"] = grammar  # GBNF
@@ -148,6 +148,8 @@ class Vllm:
                 "stream_options": {"include_usage": True}, "stop": list(stops),
                 "include_stop_str_in_output": True, "return_token_ids": True,
                 "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
+        if settings.top_k:
+            body["top_k"] = settings.top_k
         if not settings.use_cache:
             body["cache_salt"] = uuid.uuid4().hex  # no earlier request shares it: nothing is reused
         if grammar is not None:  # (vLLM ignores the older `guided_grammar` without a word)

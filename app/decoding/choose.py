@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 def choose_tokens(logits: torch.Tensor, drafts: list[int], temperature: float, top_p: float,
-                  generator: torch.Generator | None,
-                  guide: GuideMatcher | None) -> tuple[list[int], list[Provenance]]:
+                  generator: torch.Generator | None, guide: GuideMatcher | None,
+                  top_k: int = 0) -> tuple[list[int], list[Provenance]]:
     """`logits` holds one row per draft plus one. Drafts never change what is chosen: a draft is kept only while it
     equals the choice at its position. The guide takes each token as it is chosen."""
     tokens, chosen_by = [], []
@@ -24,13 +24,13 @@ def choose_tokens(logits: torch.Tensor, drafts: list[int], temperature: float, t
         fixed = guide is not None and guide.is_forced()  # the grammar fixes the next text (its last token, which
         # could merge with what follows, is left to a pass: whichever token spells it, the text is the guide's)
         if guide is None:
-            pick = greedy(logits[i]) if drafts else next_token(logits[i], temperature, top_p, generator)
+            pick = greedy(logits[i]) if drafts else next_token(logits[i], temperature, top_p, generator, top_k)
             steered = False
         elif drafts or temperature <= 0:
             pick, steered = guide.greedy(logits[i])
         else:
             row, steered = guide.mask(logits[i])
-            pick = next_token(row, temperature, top_p, generator)
+            pick = next_token(row, temperature, top_p, generator, top_k)
         tokens.append(pick)
         chosen_by.append(Provenance.FORCED if fixed else Provenance.STEERED if steered else Provenance.MODEL)
         if guide is not None:

@@ -49,13 +49,19 @@ def greedy(logits: torch.Tensor) -> int:
     return int(logits.detach().float().numpy().argmax())  # (float(): a bfloat16 model's logits too)
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else nucleus sampling."""
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+               top_k: int = 0) -> int:
+    """Greedy at temperature 0, else sampling from the k most likely tokens (top_k > 0), then from the nucleus
+    (top_p < 1), in transformers' order."""
     import torch  # here, not at the top: Stop and the other records here are imported by the light CLI commands
 
     if temperature <= 0:
         return greedy(logits)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # (ties with the k-th stay, as in transformers)
+    probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p

@@ -54,7 +54,8 @@ class RolloutStats:
 
     seconds: float = 0.0
     rows: int = 0
-    prefill_tokens: int = 0  # tokens fed as new input: group questions, tool outputs, first tokens after forks
+    prefill_tokens: int = 0  # tokens fed as new input: the system prompt after a sync, group questions, tool
+    # outputs, first tokens after forks
     generated_tokens: int = 0
     synced_step: int | None = None  # the trainer's global_step whose weights the engine holds
     sync_seconds: list[float] = field(default_factory=list)
@@ -76,6 +77,7 @@ class EngineRollout:
         self.engine = self._engine()
         self.stats = RolloutStats()
         self.calls = 0
+        self.prompt_fed = False  # whether this engine's system prompt has been prefilled (by the last call)
 
     def _engine(self) -> Engine:
         """A new engine: its prefilled system prompt is computed from the backend's current weights."""
@@ -89,17 +91,17 @@ class EngineRollout:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         self.backend, seconds = sync(self.backend, policy, self.sync_mode)
         self.engine = self._engine()  # (the old prompt's keys/values came from the old weights)
+        self.prompt_fed = False
         self.stats.synced_step = step
         self.stats.sync_seconds.append(seconds)
 
     def settings(self, trainer, prompt_tokens: int) -> Settings:
         """One group's settings, from the trainer's sampling settings: the completion (model and tool tokens) fits
         in max_completion_length, as TRL's own tool loop bounds it."""
-        if getattr(trainer, "top_k", 0) not in (0, None):
-            raise ValueError("top_k sampling is not supported by this engine (GRPOConfig top_k=0)")
         budget = trainer.max_completion_length
         iterations = getattr(trainer, "max_tool_calling_iterations", MAX_TURNS)
         return Settings(max_new_tokens=min(budget, 4096), temperature=trainer.temperature, top_p=trainer.top_p,
+                        top_k=getattr(trainer, "top_k", 0) or 0,
                         max_length=min(prompt_tokens + budget, self.engine.context_limit),
                         max_turns=min(iterations, MAX_TURNS), guide=self.guide, logprobs=True,
                         protocol=self.engine.protocol.name).validated(self.engine.context_limit)
@@ -117,11 +119,15 @@ class EngineRollout:
             groups.append(group)
             seed += size
         episodes = [e for group in run_groups(self.engine, groups) for e in group]
+        prefilled = sum(len(g.prompt_ids) - g.sessions[0].prompt_tokens for g in groups)  # (the questions)
+        if not self.prompt_fed and groups:
+            prefilled += groups[0].sessions[0].prompt_tokens  # (the first group prefilled the system prompt)
+            self.prompt_fed = True
         prompt_ids = [group.prompt_ids for group in groups for _ in group.sessions]
         out = self.result(episodes, prompt_ids)
         self.stats.seconds = time.perf_counter() - began
         self.stats.rows = len(episodes)
-        self.stats.prefill_tokens = sum(e.prefill_tokens or 0 for e in episodes)
+        self.stats.prefill_tokens = prefilled + sum(e.prefill_tokens or 0 for e in episodes)
         self.stats.generated_tokens = sum(s.generated_tokens for e in episodes for s in e.segments)
         return out
 
