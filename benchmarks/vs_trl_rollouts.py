@@ -101,8 +101,8 @@ def run_ours(rollout: EngineRollout, policy, questions: list[str], generations: 
     """One training step's rollouts as GRPOTrainer would call them: at a new global_step, so the engine first takes
     the policy's weights (the sync, timed apart) and prefills the system prompt again from them (timed: TRL's
     generate computes it too), then runs every completion."""
-    rollout.step += 1
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=rollout.step), temperature=args.temperature,
+    step = (rollout.stats.synced_step or 0) + 1
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=step), temperature=args.temperature,
                               top_p=1.0, top_k=0, max_completion_length=args.max_completion_length,
                               max_tool_calling_iterations=args.max_turns, model=policy,
                               accelerator=SimpleNamespace(unwrap_model=lambda model: model))
@@ -136,8 +136,6 @@ def main() -> int:
     policy = copy.deepcopy(loaded.model)
     ours = {"ours, float32": EngineRollout(LocalBackend(loaded), protocol="chat", sync="float32", seed=0),
             "ours, int8": EngineRollout(LocalBackend(load_model(weights="int8")), protocol="chat", sync="int8", seed=0)}
-    for rollout in ours.values():
-        rollout.step = 0
     print(f"CPU: {cpu_name()}; {len(questions)} questions (tuning set), temperature {args.temperature}, "
           f"max_completion_length {args.max_completion_length}, max tool calls {args.max_turns}, chat protocol, "
           "guide off; TRL 1.16 GRPOTrainer(tools=...) without vLLM")
@@ -156,7 +154,7 @@ def main() -> int:
             trainer = trl_trainer(policy, tokenizer, args, generations, rows, continuous)
             results[name] = run_trl(trainer, prompts)
         for name, rollout in ours.items():
-            if rollout.step == 0:
+            if rollout.stats.synced_step is None:
                 run_ours(rollout, policy, questions[:1], 1, args)  # (warm-up: first passes, thread pools)
             results[name] = run_ours(rollout, policy, questions, generations, args)
         base = results["TRL, generate"]["seconds"]
