@@ -92,9 +92,11 @@ def run_trl(trainer, prompts: list) -> dict:
         _, completion_ids, mask, *_ = trainer._generate(prompts)
     seconds = time.perf_counter() - began
     trainer._generate_single_turn = single_turn
-    calls = trainer._metrics["train"].get("tools/call_frequency", [float("nan")])[-1]
+    mode = "train" if trainer.model.training else "eval"  # (the key _generate logs its metrics under)
+    calls = trainer._metrics[mode]["tools/call_frequency"][-1]
     return dict(seconds=seconds, prefill=sum(fed), rows=len(completion_ids), calls=calls,
-                generated=sum(sum(m) for m in mask) if mask is not None else sum(map(len, completion_ids)))
+                generated=sum(sum(m) for m in mask) if mask is not None else sum(map(len, completion_ids)),
+                tool_tokens=sum(len(m) - sum(m) for m in mask) if mask is not None else 0)
 
 
 def run_ours(rollout: EngineRollout, policy, questions: list[str], generations: int, args) -> dict:
@@ -112,14 +114,17 @@ def run_ours(rollout: EngineRollout, policy, questions: list[str], generations: 
     sync = rollout.stats.sync_seconds[-1]
     calls = statistics.mean(len(c) for c in out["tool_calls"])
     return dict(seconds=time.perf_counter() - began - sync, sync=sync, prefill=rollout.stats.prefill_tokens,
-                rows=len(out["completion_ids"]), calls=calls, generated=rollout.stats.generated_tokens)
+                rows=len(out["completion_ids"]), calls=calls, generated=rollout.stats.generated_tokens,
+                tool_tokens=sum(len(m) - sum(m) for m in out["env_mask"]))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--generations", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--questions", type=int, default=2)
-    parser.add_argument("--max-completion-length", type=int, default=64)
+    parser.add_argument("--max-completion-length", type=int, default=256,
+                        help="(TRL drops a tool result that would pass it and ends the row: a look-up's entry is up "
+                             "to ~90 tokens, so 64 would cut most rows short on TRL's side only)")
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--continuous", action="store_true", help="also TRL on transformers' continuous batching")
@@ -133,7 +138,7 @@ def main() -> int:
     system = chat_messages(default_chat_template(), tools, lambda text: text)  # the chat protocol's own messages
     system = [{"content": "", **m} for m in system]  # (TRL reads every message's content; a call has none)
     questions = [q for q, _ in ARITHMETIC["wide"][: args.questions]]
-    policy = copy.deepcopy(loaded.model)
+    policy = copy.deepcopy(loaded.model).train()  # (as in a training step; TRL logs its metrics by this mode)
     ours = {"ours, float32": EngineRollout(LocalBackend(loaded), protocol="chat", sync="float32", seed=0),
             "ours, int8": EngineRollout(LocalBackend(load_model(weights="int8")), protocol="chat", sync="int8", seed=0)}
     print(f"CPU: {cpu_name()}; {len(questions)} questions (tuning set), temperature {args.temperature}, "
@@ -143,6 +148,7 @@ def main() -> int:
           "completion); sync: ours taking the policy's weights first (TRL samples from the policy itself); "
           "x TRL: seconds / TRL's, and (sync + seconds) / TRL's")
     header = f"{'G':>2} {'run':26} {'seconds':>8} {'sync':>6} {'prefilled':>10} {'model tokens':>12} " \
+             f"{'tool tokens':>11} " \
              f"{'calls/row':>9} {'compl/s':>8} {'x TRL':>7} {'w/ sync':>7}"
     print(header)
     for generations in args.generations:
@@ -161,7 +167,7 @@ def main() -> int:
         for name, r in results.items():
             sync = r.get("sync", 0.0)
             print(f"{generations:2d} {name:26} {r['seconds']:8.2f} {sync:6.2f} {r['prefill']:10d} "
-                  f"{r['generated']:12d} {r['calls']:9.2f} {r['rows'] / r['seconds']:8.2f} "
+                  f"{r['generated']:12d} {r['tool_tokens']:11d} {r['calls']:9.2f} {r['rows'] / r['seconds']:8.2f} "
                   f"{r['seconds'] / base:7.3f} {(r['seconds'] + sync) / base:7.3f}", flush=True)
     for rollout in ours.values():
         rollout.backend.scheduler.release()
