@@ -1,6 +1,7 @@
-"""GRPO on the bundled model with this engine's rollouts (app.training): arithmetic questions of the project's
-tuning ("wide") set, never the test set, guide off, N steps on CPU. Prints the mean reward of every step, writes
-the reward curve (PNG), the per-step log (JSON) and the checkpoint (a model folder: MODEL_ID=<it> runs it).
+"""GRPO on the bundled model with this engine's rollouts (app.training): arithmetic and look-up questions of the
+project's tuning ("wide") sets, never the test set, guide off, N steps on CPU. Prints the mean reward of every
+step, writes the reward curve (PNG), the per-step log (JSON) and the checkpoint (a model folder: MODEL_ID=<it>
+runs it).
 
     python3 scripts/train.py --steps 12 --out runs/grpo        # then, before/after on the test set:
     MODEL_ID=runs/grpo/checkpoint python3 benchmarks/answer_quality.py --set test --guide off
@@ -24,14 +25,17 @@ from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.training.rewards import REWARD_FUNCS  # noqa: E402
 from app.training.rollout import EngineRollout  # noqa: E402
-from benchmarks.answer_quality import ARITHMETIC  # noqa: E402
+from benchmarks.answer_quality import ARITHMETIC, LOOKUPS  # noqa: E402
 
 
-def train_questions(seed: int) -> list[tuple[str, str]]:
-    """The tuning set's sums (ARITHMETIC["wide"]), shuffled: never a test or dev question."""
-    rows = list(ARITHMETIC["wide"])
-    test = {q for q, _ in ARITHMETIC["test"]}
-    assert not test & {q for q, _ in rows}
+def train_questions(seed: int) -> list[tuple[str, str | None, str]]:
+    """(question, expected answer or None, the tool that answers it): the tuning set's sums (ARITHMETIC["wide"])
+    and look-ups (LOOKUPS["wide"]), shuffled together: never a test or dev question."""
+    sums = [(q, a, "Calculator") for q, a in ARITHMETIC["wide"]]
+    lookups = [(q, None, "Search") for q, _ in LOOKUPS["wide"]]
+    held_out = {q for q, _ in ARITHMETIC["test"] + ARITHMETIC["dev"] + LOOKUPS["test"] + LOOKUPS["dev"]}
+    assert not held_out & {q for q, _, _ in sums + lookups}
+    rows = sums + lookups
     random.Random(seed).shuffle(rows)
     return rows
 
@@ -44,10 +48,12 @@ def plot(curve: list[dict], path: Path) -> None:
 
     steps = [row["step"] for row in curve]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [row["reward"] for row in curve], marker="o", label="mean reward (sum of both)")
-    for key, label in (("rewards/exact_match_reward/mean", "exact match"),
-                       ("rewards/well_formed_call_reward/mean", "well-formed call")):
-        ax.plot(steps, [row.get(key) for row in curve], marker=".", linestyle="--", label=label)
+    ax.plot(steps, [row["reward"] for row in curve], marker="o", label="mean reward (sum of the three)")
+    for key, label in (("rewards/exact_match_reward/mean", "exact match (sums)"),
+                       ("rewards/well_formed_call_reward/mean", "well-formed call"),
+                       ("rewards/expected_tool_reward/mean", "the right tool")):
+        values = [row.get(key) for row in curve]  # (None where no row of the step had this reward: a gap)
+        ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", linestyle="--", label=label)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward")
     ax.set_title("GRPO on SmolLM2-135M, this engine's rollouts (CPU)")
@@ -86,7 +92,8 @@ def main() -> int:
     backend = LocalBackend(loaded)
     rollout = EngineRollout(backend, protocol=args.protocol, sync=args.sync, guide=False, seed=args.seed)
     rows = train_questions(args.seed)
-    data = Dataset.from_dict({"prompt": [q for q, _ in rows], "expected": [a for _, a in rows]})
+    data = Dataset.from_dict({"prompt": [q for q, _, _ in rows], "expected": [a for _, a, _ in rows],
+                              "tool": [t for _, _, t in rows]})
     config = GRPOConfig(
         output_dir=str(args.out / "trainer"), per_device_train_batch_size=args.questions_per_step * args.num_generations,
         num_generations=args.num_generations, max_steps=args.steps, max_completion_length=args.max_completion_length,
@@ -101,9 +108,11 @@ def main() -> int:
                 row = {"step": state.global_step, **logs, "rollout_s": rollout.stats.seconds,
                        "sync_s": rollout.stats.sync_seconds[-1] if rollout.stats.sync_seconds else None}
                 curve.append(row)
-                print(f"\nstep {state.global_step}: mean reward {logs['reward']:.3f} (exact "
-                      f"{logs.get('rewards/exact_match_reward/mean', float('nan')):.2f}, call "
-                      f"{logs.get('rewards/well_formed_call_reward/mean', float('nan')):.2f}), loss "
+                parts = [f"{name} {mean:.2f}" for name, key in (("exact", "exact_match_reward"),
+                                                                  ("call", "well_formed_call_reward"),
+                                                                  ("tool", "expected_tool_reward"))
+                         if (mean := logs.get(f"rewards/{key}/mean")) is not None]  # (None: no row had one)
+                print(f"\nstep {state.global_step}: mean reward {logs['reward']:.3f} ({', '.join(parts)}), loss "
                       f"{logs.get('loss', float('nan')):.4f}, rollouts {rollout.stats.seconds:.1f} s", flush=True)
 
     trainer = GRPOTrainer(model=policy, reward_funcs=REWARD_FUNCS, args=config, train_dataset=data,

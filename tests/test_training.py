@@ -14,9 +14,10 @@ import torch
 from app.backends.local import LocalBackend
 from app.engine.engine import Engine
 from app.engine.groups import open_group, run_groups
+from app.episode import Episode
 from app.model.loading import wrap
 from app.settings import Settings
-from app.training.rewards import exact_match_reward, well_formed_call_reward
+from app.training.rewards import expected_tool_reward, exact_match_reward, well_formed_call_reward
 from app.training.rollout import EngineRollout, runs
 from tests.conftest import WritingModel
 
@@ -78,10 +79,34 @@ def test_logprobs_are_the_sampling_distributions_own(tiny_llama):
     backend.scheduler.release()
 
 
+def test_an_episode_that_kept_no_token_reaches_trl_as_one_masked_eos():
+    """Regression: a training run crashed at step 6 in TRL's `_generate` (`ids[-1]`, IndexError) on a completion
+    with no token: the model's first text was `<response>`, a cut stop the session drops."""
+    empty = Episode("What does chain mean?", 10, 14, True, token_ids=[5, 6, 7, 8])
+    kept = Episode("What is 2 + 2?", 10, 12, True, token_ids=[5, 6, 9])
+    out = EngineRollout.result([empty, kept], [[1, 5, 6, 7, 8], [1, 5, 6]], eos=2)
+    assert out["completion_ids"] == [[2], [9]]
+    assert out["env_mask"][0] == [0] and out["logprobs"][0] == [0.0]
+    assert out["stop_reason"][0] == "none"
+
+
 def test_rewards_read_the_rollouts_fields():
     assert exact_match_reward([], answer=["Result = 4", "5", "x"], expected=["4", "4", None]) == [1.0, 0.0, None]
     assert well_formed_call_reward([], tool_calls=[[["Calculator", "2+2"]], [], [["S", "x"]]],
                                    tool_ok=[[True], [], [False]]) == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("calls, ok, tool, reward", [
+    ([["Search", "kludge"]], [True], "Search", 1.0),
+    ([["search", "kludge"]], [True], "Search", 1.0),  # (the chat protocol's spelling)
+    ([["Calculator", "kludge"]], [False], "Search", 0.0),  # the wrong tool: the regression of the sums-only run
+    ([["Search", "x"], ["Calculator", "2+2"]], [True, True], "Search", 0.0),
+    ([["Search", "kludge"]], [False], "Search", 0.0),
+    ([], [], "Search", 0.0),
+    ([["Search", "kludge"]], [True], None, None),  # no expected tool: no reward
+])
+def test_expected_tool_reward(calls, ok, tool, reward):
+    assert expected_tool_reward([], tool_calls=[calls], tool_ok=[ok], tool=[tool]) == [reward]
 
 
 def test_grpo_trainer_runs_two_steps_on_the_rollouts(tiny_llama, tmp_path):

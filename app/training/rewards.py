@@ -20,4 +20,15 @@ def well_formed_call_reward(completions: list, tool_calls: list[list], tool_ok: 
     return [float(bool(calls) and all(ok)) for calls, ok in zip(tool_calls, tool_ok, strict=True)]
 
 
-REWARD_FUNCS = [exact_match_reward, well_formed_call_reward]
+def expected_tool_reward(completions: list, tool_calls: list[list], tool_ok: list[list[bool]],
+                         tool: list[str | None] | None = None, **_) -> list[float | None]:
+    """1.0 where the episode called the dataset's `tool` (the name in either protocol's spelling: "Search",
+    "search"), only it, and every call ran; 0.0 where it did not; None for a row without an expected tool. Without
+    it, training on sums alone teaches the model to call the calculator for look-ups too (docs/training.md)."""
+    tool = tool or [None] * len(tool_calls)
+    return [None if want is None else
+            float(bool(calls) and all(ok) and all(str(name).lower() == want.lower() for name, _ in calls))
+            for calls, ok, want in zip(tool_calls, tool_ok, tool, strict=True)]
+
+
+REWARD_FUNCS = [exact_match_reward, well_formed_call_reward, expected_tool_reward]

@@ -124,7 +124,7 @@ class EngineRollout:
             prefilled += groups[0].sessions[0].prompt_tokens  # (the first group prefilled the system prompt)
             self.prompt_fed = True
         prompt_ids = [group.prompt_ids for group in groups for _ in group.sessions]
-        out = self.result(episodes, prompt_ids)
+        out = self.result(episodes, prompt_ids, eos=self.backend.tokenizer.eos_token_id)
         self.stats.seconds = time.perf_counter() - began
         self.stats.rows = len(episodes)
         self.stats.prefill_tokens = prefilled + sum(e.prefill_tokens or 0 for e in episodes)
@@ -132,17 +132,23 @@ class EngineRollout:
         return out
 
     @staticmethod
-    def result(episodes: list[Episode], prompt_ids: list[list[int]]) -> dict[str, list]:
+    def result(episodes: list[Episode], prompt_ids: list[list[int]], eos: int | None = None) -> dict[str, list]:
         """TRL's fields for each episode: its tokens after the question, their logprobs and env_mask, and what the
-        reward functions read (answer, tool calls, stop reason)."""
+        reward functions read (answer, tool calls, stop reason). An episode that kept no token after its question
+        (its first text was a cut stop such as `<response>`, which the session drops) is given to TRL as the `eos`
+        token with mask 0 and logprob 0.0: TRL reads every completion's last token, and that row then teaches
+        nothing but still counts in its group's mean reward."""
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "answer",
                                                   "tool_calls", "tool_ok", "stop_reason")}
         for episode, ids in zip(episodes, prompt_ids, strict=True):
             after = episode.query_end - episode.query_start
+            completion, logprobs, mask = episode.token_ids[after:], episode.logprobs[after:], episode.mask[after:]
+            if not completion and eos is not None:
+                completion, logprobs, mask = [eos], [0.0], [0]
             out["prompt_ids"].append(ids)
-            out["completion_ids"].append(episode.token_ids[after:])
-            out["logprobs"].append(episode.logprobs[after:])
-            out["env_mask"].append(episode.mask[after:])
+            out["completion_ids"].append(completion)
+            out["logprobs"].append(logprobs)
+            out["env_mask"].append(mask)
             out["answer"].append(episode.answer)
             tools = [s for s in episode.segments if s.kind == "tool"]
             out["tool_calls"].append([[s.tool, s.query] for s in tools])
