@@ -157,8 +157,12 @@ def main() -> int:
         results = {}
         variants = [("TRL, generate", False)] + ([("TRL, continuous batching", True)] if args.continuous else [])
         for name, continuous in variants:
+            attention = policy.config._attn_implementation
+            if continuous:  # (continuous batching refuses the app's own sdpa_gqa: transformers' sdpa there)
+                policy.set_attn_implementation("sdpa")
             trainer = trl_trainer(policy, tokenizer, args, generations, rows, continuous)
             results[name] = run_trl(trainer, prompts)
+            policy.set_attn_implementation(attention)
         for name, rollout in ours.items():
             if rollout.stats.synced_step is None:
                 run_ours(rollout, policy, questions[:1], 1, args)  # (warm-up: first passes, thread pools)
