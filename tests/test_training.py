@@ -90,6 +90,22 @@ def test_an_episode_that_kept_no_token_reaches_trl_as_one_masked_eos():
     assert out["stop_reason"][0] == "none"
 
 
+@pytest.mark.parametrize("protocol, refused", [("textenv", True), ("chat", False)])
+def test_mask_truncated_completions_is_refused_where_answers_do_not_end_at_eos(tiny_llama, protocol, refused):
+    """TRL masks every completion whose last token is not EOS; textenv's answers end at `<submit>`, so with
+    mask_truncated_completions no row would teach anything: a clear error instead."""
+    from types import SimpleNamespace
+
+    rollout = EngineRollout(tiny_llama, protocol=protocol, sync=None)
+    trainer = SimpleNamespace(args=SimpleNamespace(mask_truncated_completions=True))
+    if refused:
+        with pytest.raises(ValueError, match="mask_truncated_completions"):
+            rollout.check_trainer(trainer)
+    else:
+        rollout.check_trainer(trainer)
+    rollout.check_trainer(SimpleNamespace(args=SimpleNamespace(mask_truncated_completions=False)))
+
+
 def test_rewards_read_the_rollouts_fields():
     assert exact_match_reward([], answer=["Result = 4", "5", "x"], expected=["4", "4", None]) == [1.0, 0.0, None]
     assert well_formed_call_reward([], tool_calls=[[["Calculator", "2+2"]], [], [["S", "x"]]],

@@ -21,6 +21,7 @@ class Protocol(ABC):
     name: str
     stop_strings: tuple[str, ...]  # where a model segment stops (with EOS and the length limits)
     cut_stops: frozenset[str] = frozenset()  # stop strings dropped from the segment's tokens (not part of it)
+    answer_ends_at_eos: bool = True  # a finished answer's last token is EOS (textenv's is its `<submit>` marker)
 
     @abstractmethod
     def default_template(self) -> str:

@@ -21,6 +21,7 @@ class TextEnvProtocol(Protocol):
     name = "textenv"
     stop_strings = STOP_STRINGS
     cut_stops = CUT_STOPS
+    answer_ends_at_eos = False  # (an answer ends at `<submit>`)
 
     def __init__(self, tokenizer, special_token_texts: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer

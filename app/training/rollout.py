@@ -106,7 +106,17 @@ class EngineRollout:
                         max_turns=min(iterations, MAX_TURNS), guide=self.guide, logprobs=True,
                         protocol=self.engine.protocol.name).validated(self.engine.context_limit)
 
+    def check_trainer(self, trainer) -> None:
+        """Refuse a trainer setting that would silently drop every row: TRL's `mask_truncated_completions` masks
+        each completion whose last token is not EOS, and a finished answer of a protocol that ends at its own marker
+        (textenv's `<submit>`) never ends with EOS."""
+        if getattr(getattr(trainer, "args", None), "mask_truncated_completions", False) \
+                and not self.engine.protocol.answer_ends_at_eos:
+            raise ValueError(f"mask_truncated_completions would mask every {self.engine.protocol.name} completion "
+                             "(its answers end at a marker, not at EOS): turn it off, or use the chat protocol")
+
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        self.check_trainer(trainer)
         self.sync_weights(trainer)
         began = time.perf_counter()
         groups: list[Group] = []
