@@ -40,6 +40,12 @@ def train_questions(seed: int) -> list[tuple[str, str | None, str]]:
     return rows
 
 
+# Each reward as the step line and the curve name it: (short name, TRL's log key, curve label)
+REWARDS = (("exact", "rewards/exact_match_reward/mean", "exact match (sums)"),
+           ("call", "rewards/well_formed_call_reward/mean", "well-formed call"),
+           ("tool", "rewards/expected_tool_reward/mean", "the right tool"))
+
+
 def plot(curve: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -49,9 +55,7 @@ def plot(curve: list[dict], path: Path) -> None:
     steps = [row["step"] for row in curve]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [row["reward"] for row in curve], marker="o", label="mean reward (sum of the three)")
-    for key, label in (("rewards/exact_match_reward/mean", "exact match (sums)"),
-                       ("rewards/well_formed_call_reward/mean", "well-formed call"),
-                       ("rewards/expected_tool_reward/mean", "the right tool")):
+    for _, key, label in REWARDS:
         values = [row.get(key) for row in curve]  # (None where no row of the step had this reward: a gap)
         ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", linestyle="--", label=label)
     ax.set_xlabel("GRPO step")
@@ -108,10 +112,8 @@ def main() -> int:
                 row = {"step": state.global_step, **logs, "rollout_s": rollout.stats.seconds,
                        "sync_s": rollout.stats.sync_seconds[-1] if rollout.stats.sync_seconds else None}
                 curve.append(row)
-                parts = [f"{name} {mean:.2f}" for name, key in (("exact", "exact_match_reward"),
-                                                                  ("call", "well_formed_call_reward"),
-                                                                  ("tool", "expected_tool_reward"))
-                         if (mean := logs.get(f"rewards/{key}/mean")) is not None]  # (None: no row had one)
+                parts = [f"{name} {mean:.2f}" for name, key, _ in REWARDS
+                         if (mean := logs.get(key)) is not None]  # (None: no row of the step had this reward)
                 print(f"\nstep {state.global_step}: mean reward {logs['reward']:.3f} ({', '.join(parts)}), loss "
                       f"{logs.get('loss', float('nan')):.4f}, rollouts {rollout.stats.seconds:.1f} s", flush=True)
 
