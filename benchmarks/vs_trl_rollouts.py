@@ -16,7 +16,6 @@ the ratio of ours to TRL's plain generate. Model loading is outside the timings.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 
 from app.backends.local import LocalBackend  # noqa: E402
+from app.model.float32 import plain_copy  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.paths import ASSETS  # noqa: E402
 from app.protocols.chat_prompt import chat_messages, default_chat_template  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> int:
     system = chat_messages(default_chat_template(), tools, lambda text: text)  # the chat protocol's own messages
     system = [{"content": "", **m} for m in system]  # (TRL reads every message's content; a call has none)
     questions = [q for q, _ in ARITHMETIC["wide"][: args.questions]]
-    policy = copy.deepcopy(loaded.model).train()  # (as in a training step; TRL logs its metrics by this mode)
+    policy = plain_copy(loaded.model).train()  # (stock modules, in train mode as in a training step: TRL logs by it)
     ours = {"ours, float32": EngineRollout(LocalBackend(loaded), protocol="chat", sync="float32", seed=0),
             "ours, int8": EngineRollout(LocalBackend(load_model(weights="int8")), protocol="chat", sync="int8", seed=0)}
     print(f"CPU: {cpu_name()}; {len(questions)} questions (tuning set), temperature {args.temperature}, "

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from app.backends.local import LocalBackend  # noqa: E402
+from app.model.float32 import plain_copy  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.training.rollout import EngineRollout  # noqa: E402
 from benchmarks.answer_quality import ARITHMETIC  # noqa: E402
@@ -60,7 +61,7 @@ def main() -> int:
     args = parser.parse_args()
 
     loaded = load_model(weights="float32")
-    policy = copy.deepcopy(loaded.model)
+    policy = plain_copy(loaded.model)  # (the trainer's modules: torch's linear, not the engine's packed one)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a trained step's worth of change, so the sync copies new weights
         for p in policy.parameters():

@@ -10,7 +10,6 @@ runs it).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from app.backends.local import LocalBackend  # noqa: E402
+from app.model.float32 import plain_copy  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.training.rewards import REWARD_FUNCS  # noqa: E402
 from app.training.rollout import EngineRollout  # noqa: E402
@@ -91,7 +91,7 @@ def main() -> int:
 
     torch.set_num_threads(model_threads())  # the trainer's passes (this thread); rollouts never run meanwhile
     loaded = load_model(weights="float32")  # the engine's model (the bundled GGUF, converted to float32)
-    policy = copy.deepcopy(loaded.model).train().requires_grad_(True)  # the trainer's: the same weights
+    policy = plain_copy(loaded.model).train().requires_grad_(True)  # the trainer's: the same weights
     policy.set_attn_implementation("sdpa")  # (torch's own attention for the backward pass)
     backend = LocalBackend(loaded)
     rollout = EngineRollout(backend, protocol=args.protocol, sync=args.sync, guide=False, seed=args.seed)

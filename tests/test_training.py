@@ -15,6 +15,7 @@ from app.backends.local import LocalBackend
 from app.engine.engine import Engine
 from app.engine.groups import open_group, run_groups
 from app.episode import Episode
+from app.model.float32 import plain_copy
 from app.model.loading import wrap
 from app.settings import Settings
 from app.training.rewards import expected_tool_reward, exact_match_reward, well_formed_call_reward
@@ -150,7 +151,7 @@ def test_grpo_trainer_runs_two_steps_on_the_rollouts(tiny_llama, tmp_path):
     def token_sum(completion_ids, **_):  # (a reward that varies between the free completions)
         return [sum(ids) % 7 / 7 for ids in completion_ids]
 
-    policy = copy.deepcopy(tiny_llama.model).train().requires_grad_(True)
+    policy = plain_copy(tiny_llama.model).train().requires_grad_(True)
     data = Dataset.from_dict({"prompt": ["What is 2 + 2?", "What is 3 + 5?"], "expected": ["4", "8"]})
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
                       max_completion_length=40, learning_rate=0.05, beta=0.0, temperature=1.0, logging_steps=1,

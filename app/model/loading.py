@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from app.model.attention import use_gqa_sdpa
+from app.model.float32 import use_packed
 from app.model.int8 import SAVED_INT8, int8_state, to_int8
 from app.model.family import describe, fast_path_reason
 from app.model.ragged import supports
@@ -207,6 +208,8 @@ def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | N
     use_gqa_sdpa(model)
     if weights == "int8":
         _int8(model, folder)
+    else:
+        use_packed(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer),
                        weights=weights)
 

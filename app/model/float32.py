@@ -1,0 +1,144 @@
+"""Float32 matmuls on weights laid out once for oneDNN, the CPU math library PyTorch ships (its compiler's frozen
+CPU graphs use the same two ops), where that is faster here than torch's default float32 matmul.
+
+Why: torch's `F.linear` hands float32 to MKL's sgemm, which on AMD CPUs multiplies the few rows of a decode or
+batched step at 2-3x the time of oneDNN's blocked kernels on a weight packed for them once (figures:
+docs/model-and-kernels.md). A timing at load decides (`packed_is_faster`), since which library is fast depends
+on the CPU; TEXTENV_ONEDNN=0 keeps torch's matmul.
+
+A row's result bits do not depend on the rows beside it or on how many there are (tests/test_float32.py checks
+1 to 1,000 rows, without autograd, as the engine runs), as with the int8 kernels. The layers keep their float32
+weights as parameters under their own names, so the state dict, and a trainer's weights copied in
+(app.training.weights), are as before: a packed copy whose weight changed in place is packed again before it is
+read. A trainer's own model keeps torch's modules (`plain_copy`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PACKED_ROWS = 16  # the rows oneDNN lays a weight out for; any number multiplies on it (a scheduler step's kind)
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN and its packed linear ops, and TEXTENV_ONEDNN does not turn them off."""
+    return (os.environ.get("TEXTENV_ONEDNN", "").strip() != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] laid out for oneDNN's kernels (an opaque tensor only _linear_pointwise reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] times the packed weight, plus bias."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear's weight and bias (the same parameters, under the same names) multiplied on a packed copy."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._packed: torch.Tensor | None = None
+        self._packed_version = -1  # the weight's version counter when packed: an in-place change moves it
+
+    def repack(self) -> None:
+        """Lay the current weight out again (after it changed in place)."""
+        self._packed = pack(self.weight)
+        self._packed_version = self.weight._version
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.repack()  # (now, as part of loading the weights, rather than in the next step)
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) without the packed weight, which has no storage to copy: packed on first use."""
+        return {**self.__dict__, "_packed": None, "_packed_version": -1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:  # (oneDNN's op has no gradient: torch's has)
+            return nn.functional.linear(x, self.weight, self.bias)
+        if self._packed is None or self._packed_version != self.weight._version:
+            self.repack()
+        flat = x.reshape(-1, self.in_features).contiguous()
+        if len(flat) == 1:  # (oneDNN's kernel for one row sums in another order than for more: padded to two)
+            return packed_linear(torch.cat([flat, flat]), self._packed, self.bias)[:1].view(*x.shape[:-1], -1)
+        return packed_linear(flat, self._packed, self.bias).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@functools.cache
+def packed_is_faster() -> bool:
+    """Whether oneDNN's packed matmul beats torch's float32 matmul for a batched step's rows here, timed once per
+    process on a weight larger than a core's caches (as in a step, the timing includes reading it). On AMD EPYC
+    (Zen 4) it takes ~0.4x the time; the margin is wide where it matters, so noise does not decide."""
+    weight, x = torch.randn(8192, 576), torch.randn(PACKED_ROWS, 576)
+    packed = pack(weight)
+
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        return best(lambda: packed_linear(x, packed, None)) < best(lambda: torch.nn.functional.linear(x, weight))
+
+
+@torch.no_grad()
+def to_packed(model: nn.Module) -> int:
+    """Replace every float32 nn.Linear of `model` by a PackedLinear on the same parameters, packed now; returns
+    how many."""
+    linears = [(name, module) for name, module in model.named_modules()
+               if type(module) is nn.Linear and module.weight.dtype == torch.float32]
+    for name, linear in linears:
+        parent, _, child = name.rpartition(".")
+        packed = PackedLinear(linear)
+        packed.repack()
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
+    return len(linears)
+
+
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` with nn.Linear layers where it has PackedLinear ones: the stock modules a trainer, or a
+    peer measured against this engine, runs."""
+    copy_ = copy.deepcopy(model)
+    for name, module in list(copy_.named_modules()):
+        if isinstance(module, PackedLinear):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                               device="meta")
+            linear.weight, linear.bias = module.weight, module.bias
+            parent, _, child = name.rpartition(".")
+            setattr(copy_.get_submodule(parent) if parent else copy_, child, linear)
+    return copy_
+
+
+def use_packed(model: nn.Module) -> bool:
+    """Pack `model`'s float32 linear layers where oneDNN is here and faster (logged either way); whether it did."""
+    if not available():
+        log.info("float32 matmuls: torch's (oneDNN's packed linear is not in this torch, or TEXTENV_ONEDNN=0)")
+        return False
+    if not packed_is_faster():
+        log.info("float32 matmuls: torch's (faster than oneDNN's packed linear on this CPU)")
+        return False
+    log.info("float32 matmuls: oneDNN on weights packed at load (%d layers; faster than torch's here)",
+             to_packed(model))
+    return True
