@@ -124,7 +124,8 @@ def tiny_llama(tokenizer) -> LocalBackend:
 def tiny_family(kind: str, tokenizer) -> LocalBackend:
     """A tiny random float32 decoder of a family the fast path covers beside Llama (app.model.family), with what
     sets it apart made visible: "qwen2" (q/k/v biases, untied head), "qwen2-tied" (tied head), "qwen3" (per-head
-    q/k norms with random weights, head_dim 16 where hidden / heads is 8, untied head). Grouped-query heads."""
+    q/k norms with random weights, head_dim 16 where hidden / heads is 8, untied head), "qwen3-128" (head_dim 128,
+    Qwen3's own: the C attention kernel's second head size). Grouped-query heads."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(1)
@@ -134,7 +135,7 @@ def tiny_family(kind: str, tokenizer) -> LocalBackend:
     if kind.startswith("qwen2"):
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=128 if kind == "qwen3-128" else 16))
     with torch.no_grad():  # (norms start at ones and biases may start at zero: random, so that they count)
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -144,7 +145,7 @@ def tiny_family(kind: str, tokenizer) -> LocalBackend:
     return LocalBackend(wrap(model, tokenizer, f"tiny-{kind}"))
 
 
-FAMILY_KINDS = ("qwen2", "qwen2-tied", "qwen3")
+FAMILY_KINDS = ("qwen2", "qwen2-tied", "qwen3", "qwen3-128")
 
 
 @pytest.fixture(scope="session", params=FAMILY_KINDS)

@@ -97,13 +97,15 @@ CASES = [
 
 needs_fast = needs(AVX512)  # attend_rows.c's fast path is AVX-512 code (test_which_models_attend_here: it is built)
 
+DIMS = [64, 128]  # the heads the fast path takes (the bundled model's; Qwen3's)
+
 
 @needs_fast
 @pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("cases", CASES)
-@pytest.mark.parametrize("heads,groups", [(9, 3), (8, 2), (4, 4), (8, 1)])
-def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups, share):
-    dim = 64
+@pytest.mark.parametrize("heads,groups", [(9, 3), (8, 2), (4, 4), (8, 1), (16, 8)])
+@pytest.mark.parametrize("dim", DIMS)
+def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups, share, dim):
     rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=len(cases) + heads, share=share)
     want = [_reference(row, case, q, k, v, span, 0.125) for row, case, span in zip(rows, cases, spans)]
     out = torch.full((q.shape[2], heads, dim), float("nan"))
@@ -117,19 +119,20 @@ def test_rows_match_sdpa_and_their_caches_get_the_new_keys(cases, heads, groups,
 
 
 @needs_fast
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads():
-    dim = 64
+@pytest.mark.parametrize("heads,groups", [(9, 3), (16, 8)])
+@pytest.mark.parametrize("dim", DIMS)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(dim, heads, groups):
     cases = [Case(1, 100, 800), Case(3, 40, 800), Case(2, 700, 0)]
 
     def alone_and_together(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)  # (the C call runs on the calling thread's OpenMP team: torch's)
         try:
-            rows, spans, q, k, v = _pass(cases, 9, 3, dim, seed=4)
-            together = torch.empty(q.shape[2], 9, dim)
+            rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=4)
+            together = torch.empty(q.shape[2], heads, dim)
             Batch(rows, spans, k).attend(q, k, v, 0, 0.125, together)
-            rows, spans, q, k, v = _pass(cases, 9, 3, dim, seed=4)
-            alone = torch.empty(q.shape[2], 9, dim)
+            rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=4)
+            alone = torch.empty(q.shape[2], heads, dim)
             Batch(rows[1:2], spans[1:2], k).attend(q, k, v, 0, 0.125, alone)
             a, b = spans[1]
             return together[a:b], alone[a:b]
@@ -142,28 +145,30 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads():
 
 
 @needs_fast
-@pytest.mark.parametrize("heads,groups", [(9, 3), (8, 1)])
-def test_rows_sharing_a_prefix_get_the_bits_they_get_alone(heads, groups):
+@pytest.mark.parametrize("heads,groups", [(9, 3), (8, 1), (16, 8)])
+@pytest.mark.parametrize("dim", DIMS)
+def test_rows_sharing_a_prefix_get_the_bits_they_get_alone(heads, groups, dim):
     """Rows sharing a prefix have their queries over it computed 16 to a task whatever their rows, one lane each:
     a row's tokens fall in other lanes and tasks beside other rows (here 3 to 6 tasks a key/value head) than alone,
     and still get the same bits."""
     cases = [Case(1, 30, 300), Case(5, 0, 300), Case(2, 90, 300), Case(7, 12, 300), Case(3, 4, 0)]
-    rows, spans, q, k, v = _pass(cases, heads, groups, 64, seed=5, share=True)
-    together = torch.empty(q.shape[2], heads, 64)
+    rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=5, share=True)
+    together = torch.empty(q.shape[2], heads, dim)
     Batch(rows, spans, k).attend(q, k, v, 0, 0.125, together)
     for i, (a, b) in enumerate(spans):
-        rows, spans, q, k, v = _pass(cases, heads, groups, 64, seed=5, share=True)
-        alone = torch.empty(q.shape[2], heads, 64)
+        rows, spans, q, k, v = _pass(cases, heads, groups, dim, seed=5, share=True)
+        alone = torch.empty(q.shape[2], heads, dim)
         Batch(rows[i:i + 1], spans[i:i + 1], k).attend(q, k, v, 0, 0.125, alone)
         assert torch.equal(alone[a:b], together[a:b]), f"row {i}"
 
 
 @needs_fast
 def test_which_models_attend_here():
-    """The C path covers 64-value heads with up to 8 query heads a key/value head (the bundled model: 64, 3);
-    other models keep PyTorch's kernels for every row."""
-    assert available(_config(9, 3, 64)) and available(_config(8, 8, 64))
+    """The C path covers 64- and 128-value heads with up to 8 query heads a key/value head (the bundled model: 64,
+    3; Qwen3-0.6B: 128, 2); other models keep PyTorch's kernels for every row."""
+    assert available(_config(9, 3, 64)) and available(_config(8, 8, 64)) and available(_config(16, 8, 128))
     assert not available(_config(4, 2, 16)) and not available(_config(16, 1, 64))
+    assert not available(_config(8, 8, 96)) and not available(_config(16, 1, 128))
 
 
 def test_which_rows_attend_here():
@@ -188,20 +193,21 @@ def test_without_the_library_pytorch_runs(monkeypatch):
 @needs_fast
 @pytest.mark.parametrize("n", [4, 11])
 @pytest.mark.parametrize("past", [30, 250])  # 250: the draft's tokens straddle a piece of own positions (256)
-def test_a_token_gets_the_same_bits_in_a_draft_as_alone(n, past):
+@pytest.mark.parametrize("dim", DIMS)
+def test_a_token_gets_the_same_bits_in_a_draft_as_alone(n, past, dim):
     """Each query's scores, softmax and sums run in one order whatever its row's token count or the task and lane
     its token falls in (a row's tokens go 16 // query heads a key/value head to a task), so a drafted token's attention is the same bits as when it is fed
     alone after the tokens before it."""
-    config = _config(9, 3, 64)
-    rows, spans, q, k, v = _pass([Case(n, past, 200)], 9, 3, 64, seed=9)
+    config = _config(9, 3, dim)
+    rows, spans, q, k, v = _pass([Case(n, past, 200)], 9, 3, dim, seed=9)
     (row,) = rows
     alone_row = FakeRow(new_kv(config), row.prefix)
     layer = row.kv.layers[0]
     alone_row.kv.layers[0].update(layer.keys.clone(), layer.values.clone())
-    together = torch.empty(n, 9, 64)
+    together = torch.empty(n, 9, dim)
     Batch(rows, spans, k).attend(q, k, v, 0, 0.125, together)
     for t in range(n):
-        one = torch.empty(1, 9, 64)
+        one = torch.empty(1, 9, dim)
         q1, k1, v1 = (x[:, :, t:t + 1] for x in (q, k, v))
         Batch([alone_row], [(0, 1)], k1).attend(q1, k1, v1, 0, 0.125, one)
         assert torch.equal(one[0], together[t])

@@ -1,12 +1,12 @@
 /* Every row of a ragged pass with up to 64 new tokens, attending in one call a layer (app/kernels/attend_rows.py): each
  * row's new keys/values written into its cache's room, then each new query's attention over the row's shared
- * prefix and its own keys, in parts (app/kernels/attend_lanes.h) shared between the calling thread's OpenMP team in two
- * phases: first every row's queries over their shared prefix, in 2 pieces, up to 16 queries a task whatever their
- * rows (one vector lane each), and the own positions of rows with long histories, in pieces of 256; then each
- * row's tokens over its own keys, each query's parts merged into one softmax. Each query is computed in its own
- * lane, its parts at positions fixed by position alone, folded in one order, so its bits depend on its own row
- * only: never on the rows beside it, the task or lane it falls in or the threads (tests/test_attend_rows.py checks
- * these bitwise). */
+ * prefix and its own keys (heads of 64 or 128 values), in parts (app/kernels/attend_lanes.h) shared between the
+ * calling thread's OpenMP team in two phases: first every row's queries over their shared prefix, in 2 pieces, up
+ * to 16 queries a task whatever their rows (one vector lane each), and the own positions of rows with long
+ * histories, in pieces of 256; then each row's tokens over its own keys, each query's parts merged into one
+ * softmax. Each query is computed in its own lane, its parts at positions fixed by position alone, folded in one
+ * order, so its bits depend on its own row only: never on the rows beside it, the task or lane it falls in or the
+ * threads (tests/test_attend_rows.py checks these bitwise). */
 
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -69,8 +69,8 @@ typedef struct {
     int64_t q_head, q_token, heads, dim;
     int per;
     float scale;
-    float *out, *parts; /* parts: each (token, head)'s parts, `slots` of PART floats (o[64], m, l): its prefix's
-                         * pieces (up to PIECES), then its own */
+    float *out, *parts; /* parts: each (token, head)'s parts, `slots` of PART(dim) floats (o[dim], m, l): its
+                         * prefix's pieces (up to PIECES), then its own */
     int64_t slots;
 } Pass;
 
@@ -84,8 +84,8 @@ static int run_part(const Pass *s, const float *const *query, float *const *o, i
                     const float *v, int64_t count, int64_t seen0) {
     float *p = aligned_alloc(64, sizeof(float) * 16 * (size_t)((count + 15) / 16 * 16)), m[16], l[16];
     if (!p) return 1;
-    lanes_part(query, queries, per, k, v, count, seen0, s->scale, p, m, l, o);
-    for (int x = 0; x < queries; x++) o[x][PART_M] = m[x], o[x][PART_L] = l[x];
+    BY_DIM(s->dim, lanes_part, query, queries, per, k, v, count, seen0, s->scale, p, m, l, o);
+    for (int x = 0; x < queries; x++) o[x][PART_M(s->dim)] = m[x], o[x][PART_L(s->dim)] = l[x];
     free(p);
     return 0;
 }
@@ -98,9 +98,9 @@ static int prefix_task(const Pass *s, const RowKV *r, int64_t g, int piece, cons
     float *o[16] = {0};
     for (int x = 0; x < queries; x++) {
         query[x] = query_of(s, which[x] / s->heads, which[x] % s->heads);
-        o[x] = s->parts + (which[x] * s->slots + piece) * PART;
+        o[x] = s->parts + (which[x] * s->slots + piece) * PART(s->dim);
     }
-    int64_t at = g * r->prefix_stride + 64 * from;
+    int64_t at = g * r->prefix_stride + s->dim * from;
     return run_part(s, query, o, queries, 1, r->prefix_keys + at, r->prefix_values + at, count, count);
 }
 
@@ -110,7 +110,7 @@ static void merge_chunk(const Pass *s, const RowKV *r, int64_t t0, int64_t g) {
     for (int64_t t = 0; t < chunk_tokens(r, t0, s->per); t++)
         for (int i = 0; i < s->per; i++) {
             int64_t at = (r->first + t0 + t) * s->heads + g * s->per + i;
-            merge(s->parts + at * s->slots * PART, parts, s->out + at * s->dim);
+            BY_DIM(s->dim, merge, s->parts + at * s->slots * PART(s->dim), parts, s->out + at * s->dim);
         }
 }
 
@@ -126,23 +126,22 @@ static int own_task(const Pass *s, const RowKV *r, int64_t t0, int64_t g, int64_
         for (int i = 0; i < per; i++) {
             int64_t at = (r->first + t0 + t) * s->heads + g * per + i;
             query[t * per + i] = query_of(s, r->first + t0 + t, g * per + i);
-            o[t * per + i] = s->parts + (at * s->slots + pieces_of(r) + piece) * PART;
+            o[t * per + i] = s->parts + (at * s->slots + pieces_of(r) + piece) * PART(s->dim);
         }
-    int64_t head = g * r->group_stride + 64 * from;
+    int64_t head = g * r->group_stride + s->dim * from;
     if (run_part(s, query, o, (int)(n * per), per, r->keys + head, r->values + head, len, r->past + t0 - from))
         return 1;
     if (merged) merge_chunk(s, r, t0, g);
     return 0;
 }
-#define FAST_DIM 64
 #endif
 
-/* Whether attend_batch computes this geometry: the AVX-512 path, 64-value heads, up to GROUP_MAX query heads a
- * key/value head (elsewhere the rows keep PyTorch's kernels: a portable version measured 38 % slower than them
+/* Whether attend_batch computes this geometry: the AVX-512 path, 64- or 128-value heads, up to GROUP_MAX query heads
+ * a key/value head (elsewhere the rows keep PyTorch's kernels: a portable version measured 38 % slower than them
  * for 8 rows x 3 tokens when built without AVX-512). */
 int attend_fast(int64_t heads, int64_t groups, int64_t dim) {
 #if defined(__AVX512F__)
-    return dim == FAST_DIM && groups > 0 && heads % groups == 0 && heads / groups <= GROUP_MAX;
+    return (dim == 64 || dim == 128) && groups > 0 && heads % groups == 0 && heads / groups <= GROUP_MAX;
 #else
     (void)heads, (void)groups, (void)dim;
     return 0;
@@ -186,7 +185,7 @@ int attend_batch(const float *q, int64_t q_head, int64_t q_token, const float *k
      * heads) 16 at a time, for each key/value head; then the own pieces of each (row, its tokens t0.. in chunks,
      * key/value head) that has more than one. Phase 2: each chunk's queries merged. */
     int64_t *which = malloc(sizeof(int64_t) * (size_t)((4 * PIECES + 1) * shared + 2 * chunks + count + 3 * owns));
-    s.parts = aligned_alloc(64, sizeof(float) * PART * (size_t)(s.slots * tokens * heads));
+    s.parts = aligned_alloc(64, sizeof(float) * PART(dim) * (size_t)(s.slots * tokens * heads));
     if (!which || !s.parts) {
         free(which), free(s.parts);
         return -1;

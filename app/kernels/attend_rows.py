@@ -32,8 +32,8 @@ class RowKV(ctypes.Structure):
 
 
 def available(config) -> bool:
-    """Whether rows of this model can attend here: the C library's AVX-512 path, for 64-value heads (the bundled
-    model's); elsewhere every row keeps PyTorch's kernels."""
+    """Whether rows of this model can attend here: the C library's AVX-512 path, for 64- or 128-value heads (the
+    bundled model's; Qwen3's); elsewhere every row keeps PyTorch's kernels."""
     lib = library()
     if lib is None:
         return False
