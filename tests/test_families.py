@@ -134,7 +134,7 @@ def test_int8_rows_are_bitwise_independent_and_agree_with_float32(tiny_family_mo
         mixed = ragged_forward(model, [others[0], Row(new_kv(model.config), ids, 0, len(ids)), others[1]])[1]
         float_logits = tiny_family_model.model(torch.tensor([ids])).logits[0]
     assert torch.equal(solo, mixed)
-    assert torch.allclose(solo, want, atol=logit_tolerance(loaded))  # (qwen3-128: 1.1e-4, one int8 step's jump)
+    assert torch.allclose(solo, want, atol=5e-4)  # (qwen3-128: 1.1e-4 off, an activation across an int8 step)
     agree = (solo.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
     assert agree > 0.9, agree
 

@@ -17,40 +17,63 @@ pytestmark = pytest.mark.skipif(not float32.available(), reason="this torch has 
 
 @pytest.mark.parametrize("rows,inputs,outputs,bias", [(1, 576, 1536, False), (5, 32, 64, True), (3, 7, 3, True),
                                                       (64, 1536, 576, False), (300, 96, 160, True)])
-def test_packed_linear_is_close_to_torch(rows, inputs, outputs, bias):
+def test_packed_linear_is_close_to_torch(rows, inputs, outputs, bias, monkeypatch):
     torch.manual_seed(0)
-    linear = nn.Linear(inputs, outputs, bias=bias)
+    linear = nn.Linear(inputs, outputs, bias=bias).requires_grad_(False)
     x = torch.randn(2, rows, inputs)
+    calls = _count_packed_calls(monkeypatch)
     got, want = PackedLinear(linear)(x), linear(x)
-    assert got.shape == want.shape
+    assert calls and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * inputs ** 0.5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("inputs,outputs", [(576, 960), (1536, 576), (896, 4864), (4864, 896), (1024, 4096)])
-def test_a_row_of_packed_linear_does_not_depend_on_its_batch(inputs, outputs):
+def test_a_row_of_packed_linear_does_not_depend_on_its_batch(inputs, outputs, threads, monkeypatch):
     """Regression: oneDNN sums one row's products (K 1,536) in another order than two rows' or more."""
     torch.manual_seed(1)
     layer = PackedLinear(nn.Linear(inputs, outputs))
     row = torch.randn(1, inputs)
-    with torch.inference_mode():  # (as the engine runs: with autograd on, torch takes another route)
-        alone = layer(row)
-        for rows in (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64, 100, 300, 1000):
-            together = layer(torch.cat([torch.randn(rows - 1, inputs) * 30, row, torch.randn(2, inputs)]))
-            assert torch.equal(alone, together[rows - 1:rows]), rows
+    calls, before = _count_packed_calls(monkeypatch), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():  # (as the engine runs: wanting a gradient, the layer runs torch's linear)
+            alone = layer(row)
+            for rows in (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64, 100, 300, 1000):
+                together = layer(torch.cat([torch.randn(rows - 1, inputs) * 30, row, torch.randn(2, inputs)]))
+                assert torch.equal(alone, together[rows - 1:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 16
 
 
-def test_packed_copy_follows_a_weight_changed_in_place():
-    """Regression: a trainer's weights copied in (load_state_dict, in place) must reach the packed copy."""
+def _double_in_place(layer: PackedLinear) -> None:
+    layer.weight.mul_(2.0)
+
+
+def _double_by_data(layer: PackedLinear) -> None:
+    layer.weight.data = layer.weight.data * 2.0
+
+
+def _double_by_new_parameter(layer: PackedLinear) -> None:
+    layer.weight = nn.Parameter(layer.weight * 2.0, requires_grad=False)
+
+
+@pytest.mark.parametrize("change", [_double_in_place, _double_by_data, _double_by_new_parameter])
+def test_packed_copy_follows_a_changed_weight(change, monkeypatch):
+    """Regression: a trainer's weights copied in (load_state_dict, in place), new storage or a new Parameter must
+    reach the packed copy."""
     torch.manual_seed(2)
-    linear = nn.Linear(64, 32)
+    linear = nn.Linear(64, 32).requires_grad_(False)
     layer = PackedLinear(linear)
     x = torch.randn(3, 64)
+    calls = _count_packed_calls(monkeypatch)
     before = layer(x)
     with torch.no_grad():
-        linear.weight.mul_(2.0)
+        change(layer)
     after = layer(x)
-    assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, linear(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 and not torch.allclose(before, after)
+    torch.testing.assert_close(after, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_to_packed_keeps_the_state_dict_and_the_greedy_tokens(tiny_llama):
@@ -66,6 +89,7 @@ def test_to_packed_keeps_the_state_dict_and_the_greedy_tokens(tiny_llama):
         got, want = model(ids).logits, plain(ids).logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert isinstance(model.lm_head, PackedLinear) and model.lm_head._packed is not None
         model.load_state_dict({k: v * 0.5 for k, v in plain.state_dict().items()})
         torch.testing.assert_close(model(ids).logits, _halved(plain)(ids).logits, rtol=1e-4, atol=1e-4)
 
@@ -85,11 +109,67 @@ def test_use_packed_follows_the_timing_and_the_switch(monkeypatch, setting, fast
     assert isinstance(model[0], PackedLinear) is packs and isinstance(model[2], PackedLinear) is packs
 
 
-def test_a_packed_layer_trains_on_torch_linear():
-    """With gradients wanted, the layer runs torch's linear (oneDNN's packed op has none): a packed model can be a
-    policy too."""
+@pytest.mark.parametrize("trained", ["weight", "input"])
+def test_where_a_gradient_is_wanted_the_layer_runs_torchs_linear(trained, monkeypatch):
+    """oneDNN's packed op has no gradient: a frozen layer under a trained input (LoRA-like) must not drop it."""
     torch.manual_seed(3)
-    layer = PackedLinear(nn.Linear(16, 8))
-    x = torch.randn(4, 16)
+    layer = PackedLinear(nn.Linear(16, 8).requires_grad_(trained == "weight"))
+    x = torch.randn(4, 16, requires_grad=trained == "input")
+    calls = _count_packed_calls(monkeypatch)
     layer(x).sum().backward()
-    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    grad = layer.weight.grad if trained == "weight" else x.grad
+    assert not calls and grad is not None and grad.abs().sum() > 0
+
+
+def test_a_scheduler_steps_on_packed_weights_and_takes_new_ones(tiny_llama, monkeypatch):
+    """Whatever this CPU's timing chose for the fixtures: a backend on a packed model steps on oneDNN, and weights
+    loaded between steps (a trainer's) reach the packed copies."""
+    from app.backends.local import LocalBackend
+    from app.model.loading import wrap
+
+    plain = plain_copy(tiny_llama.loaded.model)
+    model = copy.deepcopy(plain)
+    to_packed(model)
+    backend = LocalBackend(wrap(model, tiny_llama.tokenizer, "tiny-llama-packed"))
+    calls = _count_packed_calls(monkeypatch)
+    ids = [1, 5, 9, 14, 3, 7]
+    try:
+        first = _greedy(backend, ids)
+        assert calls and first == _greedy_plain(plain, ids)
+        halved = _halved(plain)
+        backend.load_weights(halved.state_dict())
+        assert _greedy(backend, ids) == _greedy_plain(halved, ids)
+    finally:
+        backend.scheduler.release()
+
+
+def _greedy(backend, ids: list[int], steps: int = 5) -> list[int]:
+    from app.model.kvcache import TokenCache
+
+    cache, out = TokenCache(ids), []
+    for _ in range(steps):
+        logits = backend.scheduler.forward(cache)[0]
+        out.append(int(logits[-1].argmax()))
+        cache.extend([out[-1]])
+    return out
+
+
+def _greedy_plain(model: nn.Module, ids: list[int], steps: int = 5) -> list[int]:
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(steps):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def _count_packed_calls(monkeypatch) -> list[int]:
+    """A list that grows by one at each call of oneDNN's packed linear."""
+    calls: list[int] = []
+    real = float32.packed_linear
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(float32, "packed_linear", counted)
+    return calls

@@ -1,16 +1,17 @@
-"""Float32 matmuls on weights laid out once for oneDNN, the CPU math library PyTorch ships (its compiler's frozen
-CPU graphs use the same two ops), where that is faster here than torch's default float32 matmul.
+"""Float32 matmuls on weights laid out once for oneDNN, the CPU math library PyTorch ships (through torch's own
+packed-linear ops, `torch.ops.mkldnn`), where that is faster here than torch's default float32 matmul.
 
 Why: torch's `F.linear` hands float32 to MKL's sgemm, which on AMD CPUs multiplies the few rows of a decode or
 batched step at 2-3x the time of oneDNN's blocked kernels on a weight packed for them once (figures:
 docs/model-and-kernels.md). A timing at load decides (`packed_is_faster`), since which library is fast depends
-on the CPU; TEXTENV_ONEDNN=0 keeps torch's matmul.
+on the CPU; TEXTENV_ONEDNN=0 keeps torch's matmul. The two libraries' float32 results differ by rounding, so a
+float32 model's bits depend on which one a CPU gets.
 
 A row's result bits do not depend on the rows beside it or on how many there are (tests/test_float32.py checks
 1 to 1,000 rows, without autograd, as the engine runs), as with the int8 kernels. The layers keep their float32
 weights as parameters under their own names, so the state dict, and a trainer's weights copied in
-(app.training.weights), are as before: a packed copy whose weight changed in place is packed again before it is
-read. A trainer's own model keeps torch's modules (`plain_copy`).
+(app.training.weights), are as before: a packed copy whose weight changed (in place, or replaced) is packed
+again before it is read. A trainer's own model keeps torch's modules (`plain_copy`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 PACKED_ROWS = 16  # the rows oneDNN lays a weight out for; any number multiplies on it (a scheduler step's kind)
+MARGIN = 0.8  # oneDNN is taken where its timing is below this share of torch's
 
 
 def available() -> bool:
@@ -46,19 +48,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear's weight and bias (the same parameters, under the same names) multiplied on a packed copy."""
+    """An nn.Linear's weight and bias (the same parameters, under the same names) multiplied on a packed copy.
+    Where a gradient is wanted it runs torch's linear. The weight must not be an inference tensor (made under
+    torch.inference_mode): those keep no version counter, and reading it raises."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._packed: torch.Tensor | None = None
-        self._packed_version = -1  # the weight's version counter when packed: an in-place change moves it
+        self._packed_from: tuple[int, int, int] | None = None  # the weight packed (_source): any change moves it
+
+    def _source(self) -> tuple[int, int, int]:
+        """Which weight, where, at which version: another Parameter, new storage (`.data =`, `.to()`) or an
+        in-place change (its version counter) each give another key."""
+        return id(self.weight), self.weight.data_ptr(), self.weight._version
 
     def repack(self) -> None:
-        """Lay the current weight out again (after it changed in place)."""
-        self._packed = pack(self.weight)
-        self._packed_version = self.weight._version
+        """Lay the current weight out again (after it changed)."""
+        source = self._source()  # (read first: a change during the packing leaves the copy stale, and seen so)
+        self._packed, self._packed_from = pack(self.weight), source
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
@@ -66,17 +75,19 @@ class PackedLinear(nn.Module):
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) without the packed weight, which has no storage to copy: packed on first use."""
-        return {**self.__dict__, "_packed": None, "_packed_version": -1}
+        return {**self.__dict__, "_packed": None, "_packed_from": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and self.weight.requires_grad:  # (oneDNN's op has no gradient: torch's has)
-            return nn.functional.linear(x, self.weight, self.bias)
-        if self._packed is None or self._packed_version != self.weight._version:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
+            return nn.functional.linear(x, self.weight, self.bias)  # (oneDNN's op has no gradient: torch's has)
+        if self._packed_from != self._source():
             self.repack()
         flat = x.reshape(-1, self.in_features).contiguous()
         if len(flat) == 1:  # (oneDNN's kernel for one row sums in another order than for more: padded to two)
-            return packed_linear(torch.cat([flat, flat]), self._packed, self.bias)[:1].view(*x.shape[:-1], -1)
-        return packed_linear(flat, self._packed, self.bias).view(*x.shape[:-1], self.out_features)
+            out = packed_linear(torch.cat([flat, flat]), self._packed, self.bias)[:1]
+        else:
+            out = packed_linear(flat, self._packed, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -84,9 +95,10 @@ class PackedLinear(nn.Module):
 
 @functools.cache
 def packed_is_faster() -> bool:
-    """Whether oneDNN's packed matmul beats torch's float32 matmul for a batched step's rows here, timed once per
-    process on a weight larger than a core's caches (as in a step, the timing includes reading it). On AMD EPYC
-    (Zen 4) it takes ~0.4x the time; the margin is wide where it matters, so noise does not decide."""
+    """Whether oneDNN's packed matmul takes clearly less time (MARGIN) than torch's float32 matmul for a batched
+    step's rows here, timed once per process on a weight larger than a core's caches (as in a step, the timing
+    includes reading it). On AMD EPYC (Zen 4) it takes ~0.4x; where the two are close, torch's stays, so that
+    noise does not switch a start's float32 bits between the two libraries."""
     weight, x = torch.randn(8192, 576), torch.randn(PACKED_ROWS, 576)
     packed = pack(weight)
 
@@ -100,7 +112,7 @@ def packed_is_faster() -> bool:
         return min(times)
 
     with torch.inference_mode():
-        return best(lambda: packed_linear(x, packed, None)) < best(lambda: torch.nn.functional.linear(x, weight))
+        return best(lambda: packed_linear(x, packed, None)) < MARGIN * best(lambda: nn.functional.linear(x, weight))
 
 
 @torch.no_grad()
@@ -139,6 +151,7 @@ def use_packed(model: nn.Module) -> bool:
     if not packed_is_faster():
         log.info("float32 matmuls: torch's (faster than oneDNN's packed linear on this CPU)")
         return False
-    log.info("float32 matmuls: oneDNN on weights packed at load (%d layers; faster than torch's here)",
-             to_packed(model))
+    to_packed(model)
+    layers = sum(isinstance(m, PackedLinear) for m in model.modules())  # (a copy of a packed model: packed already)
+    log.info("float32 matmuls: oneDNN on weights packed at load (%d layers; faster than torch's here)", layers)
     return True
