@@ -136,6 +136,7 @@ def test_a_scheduler_steps_on_packed_weights_and_takes_new_ones(tiny_llama, monk
     try:
         first = _greedy(backend, ids)
         assert calls and first == _greedy_plain(plain, ids)
+        assert backend.stats().runs.endswith("; float32 matmuls on oneDNN")
         halved = _halved(plain)
         backend.load_weights(halved.state_dict())
         assert _greedy(backend, ids) == _greedy_plain(halved, ids)
@@ -173,3 +174,18 @@ def _count_packed_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(float32, "packed_linear", counted)
     return calls
+
+
+@pytest.mark.parametrize("faster,shown", [(True, "oneDNN"), (False, "torch")])
+def test_the_stats_panel_says_which_library_multiplies_float32(tiny_llama, monkeypatch, faster, shown):
+    from app.backends.local import LocalBackend
+    from app.model.loading import wrap
+
+    monkeypatch.setattr(float32, "packed_is_faster", lambda: faster)
+    loaded = wrap(plain_copy(tiny_llama.loaded.model), tiny_llama.tokenizer, "tiny-llama-matmuls")
+    assert loaded.matmuls == shown
+    backend = LocalBackend(loaded)
+    try:
+        assert backend.stats().runs.endswith(f"; float32 matmuls on {shown}")
+    finally:
+        backend.scheduler.release()

@@ -89,6 +89,8 @@ class LocalBackend:
         counts = self.scheduler.stats
         path = describe(self.model.config) if self.scheduler.ragged else \
             f"the model's own forward, one row a step: {fast_path_reason(self.model.config) or 'not a ragged model'}"
+        if self.loaded.matmuls:
+            path += f"; float32 matmuls on {self.loaded.matmuls}"
         return BackendStats(self.name, kv_in_process=True, runs=path, steps=counts.steps, rows=counts.rows,
                             peak_rows=counts.peak_rows)
 

@@ -45,6 +45,7 @@ class LoadedModel:
     name: str
     eos_ids: frozenset[int]
     weights: str = "float32"  # the format the linear layers compute in (WEIGHTS): "int8" or "float32"
+    matmuls: str = ""  # float32: the library its linear layers multiply on, "oneDNN" or "torch" (app.model.float32)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -206,12 +207,13 @@ def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | N
     model.eval()
     model.requires_grad_(False)
     use_gqa_sdpa(model)
+    matmuls = ""
     if weights == "int8":
         _int8(model, folder)
     else:
-        use_packed(model)
+        matmuls = "oneDNN" if use_packed(model) else "torch"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer),
-                       weights=weights)
+                       weights=weights, matmuls=matmuls)
 
 
 def _int8(model, folder: Path | None) -> None:
