@@ -3,11 +3,14 @@ run: the same questions, model, chat template and tools, sampling settings and n
 
     python3 benchmarks/vs_trl_rollouts.py                       # num_generations 1, 4, 8
     python3 benchmarks/vs_trl_rollouts.py --generations 8 --questions 2
+    python3 benchmarks/vs_trl_rollouts.py --onednn-peer          # also TRL on oneDNN's packed linears
 
 TRL: `GRPOTrainer(tools=[calculator, search])` (TRL 1.16, no vLLM), its rollouts as a training step makes them
 (`trainer._generate(prompts)`: generate, parse the calls with the tokenizer's response template, run the tools,
 generate again on the whole prompt + completion + tool output), on plain `generate` and, where it runs, on
-transformers' continuous batching. Ours: EngineRollout on the chat protocol (the same template,
+transformers' continuous batching (`--continuous`); with `--onednn-peer` also plain generate on a policy whose
+linears multiply on oneDNN's packed weights as ours do in float32 (not TRL's own path; it shows how much of the
+gap is the matmul library). Ours: EngineRollout on the chat protocol (the same template,
 assets/chat_template.jinja, and the same system prompt and examples), float32 and int8, guide off. Prints per
 run the wall time of the step's rollouts, the tokens fed through the model (prefill), completions per second and
 the ratio of ours to TRL's plain generate. Model loading is outside the timings.
@@ -16,6 +19,7 @@ the ratio of ours to TRL's plain generate. Model loading is outside the timings.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -29,7 +33,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 
 from app.backends.local import LocalBackend  # noqa: E402
-from app.model.float32 import plain_copy  # noqa: E402
+from app.model.float32 import plain_copy, to_packed  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.paths import ASSETS  # noqa: E402
 from app.protocols.chat_prompt import chat_messages, default_chat_template  # noqa: E402
@@ -128,6 +132,9 @@ def main() -> int:
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--continuous", action="store_true", help="also TRL on transformers' continuous batching")
+    parser.add_argument("--onednn-peer", action="store_true",
+                        help="also TRL's plain generate on a policy whose linears multiply on oneDNN's packed weights, "
+                             "as ours do in float32 (not a TRL path: how much of the gap is the matmul library)")
     args = parser.parse_args()
 
     loaded = load_model(weights="float32")
@@ -139,6 +146,10 @@ def main() -> int:
     system = [{"content": "", **m} for m in system]  # (TRL reads every message's content; a call has none)
     questions = [q for q, _ in ARITHMETIC["wide"][: args.questions]]
     policy = plain_copy(loaded.model).train()  # (stock modules, in train mode as in a training step: TRL logs by it)
+    packed_policy = None
+    if args.onednn_peer:  # (its weights want no gradient, so its linears multiply on oneDNN: app.model.float32)
+        packed_policy = copy.deepcopy(policy)
+        to_packed(packed_policy)
     ours = {"ours, float32": EngineRollout(LocalBackend(loaded), protocol="chat", sync="float32", seed=0),
             "ours, int8": EngineRollout(LocalBackend(load_model(weights="int8")), protocol="chat", sync="int8", seed=0)}
     print(f"CPU: {cpu_name()}; {len(questions)} questions (tuning set), temperature {args.temperature}, "
@@ -155,14 +166,16 @@ def main() -> int:
         rows = len(questions) * generations
         prompts = [system + [{"role": "user", "content": q}] for q in questions for _ in range(generations)]
         results = {}
-        variants = [("TRL, generate", False)] + ([("TRL, continuous batching", True)] if args.continuous else [])
-        for name, continuous in variants:
-            attention = policy.config._attn_implementation
+        variants = [("TRL, generate", False, policy)] \
+            + ([("TRL, continuous batching", True, policy)] if args.continuous else []) \
+            + ([("TRL, generate, oneDNN linears", False, packed_policy)] if args.onednn_peer else [])
+        for name, continuous, model in variants:
+            attention = model.config._attn_implementation
             if continuous:  # (continuous batching refuses the app's own sdpa_gqa: transformers' sdpa there)
-                policy.set_attn_implementation("sdpa")
-            trainer = trl_trainer(policy, tokenizer, args, generations, rows, continuous)
+                model.set_attn_implementation("sdpa")
+            trainer = trl_trainer(model, tokenizer, args, generations, rows, continuous)
             results[name] = run_trl(trainer, prompts)
-            policy.set_attn_implementation(attention)
+            model.set_attn_implementation(attention)
         for name, rollout in ours.items():
             if rollout.stats.synced_step is None:
                 run_ours(rollout, policy, questions[:1], 1, args)  # (warm-up: first passes, thread pools)
