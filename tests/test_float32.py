@@ -189,3 +189,31 @@ def test_the_stats_panel_says_which_library_multiplies_float32(tiny_llama, monke
         assert backend.stats().runs.endswith(f"; float32 matmuls on {shown}")
     finally:
         backend.scheduler.release()
+
+
+@pytest.mark.parametrize("packed_s,taken", [(0.7, True), (0.9, False)])
+def test_onednn_is_taken_only_where_it_is_clearly_faster(monkeypatch, packed_s, taken):
+    """On a clock of the test's own a torch run takes 1 s and a packed run `packed_s`: below MARGIN (0.8) of
+    torch's time oneDNN is taken, a close call keeps torch's (a start's float32 bits must not follow noise)."""
+    import types
+
+    from app.model import timing
+
+    clock = [0.0]
+    real = float32.packed_linear
+
+    def perf_counter() -> float:  # a run is timed by two calls: 1 s apart
+        clock[0] += 1.0
+        return clock[0]
+
+    def packed(*args):
+        clock[0] += packed_s - 1.0
+        return real(*args)
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(float32, "packed_linear", packed)
+    float32.packed_is_faster.cache_clear()
+    try:
+        assert float32.packed_is_faster() is taken
+    finally:
+        float32.packed_is_faster.cache_clear()  # (the next caller times the real matmuls)

@@ -340,7 +340,7 @@ def test_the_int8_probe_times_both_matmuls_once(monkeypatch, int_mm_s, fast):
     `_int_mm` run `int_mm_s` (its real runs happen too, so its arguments are checked)."""
     import types
 
-    from app.model import int8
+    from app.model import timing
 
     clock, calls = [0.0], []
     real_int_mm = torch._int_mm
@@ -354,7 +354,7 @@ def test_the_int8_probe_times_both_matmuls_once(monkeypatch, int_mm_s, fast):
         clock[0] += int_mm_s - 1.0
         return real_int_mm(a, b)
 
-    monkeypatch.setattr(int8, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=perf_counter))
     monkeypatch.setattr(torch, "_int_mm", int_mm)
     int8_matmul_is_fast.cache_clear()
     try:

@@ -20,10 +20,11 @@ import copy
 import functools
 import logging
 import os
-import time
 
 import torch
 from torch import nn
+
+from app.model.timing import best_of
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +103,9 @@ def packed_is_faster() -> bool:
     weight, x = torch.randn(8192, 576), torch.randn(PACKED_ROWS, 576)
     packed = pack(weight)
 
-    def best(run) -> float:
-        run()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     with torch.inference_mode():
-        return best(lambda: packed_linear(x, packed, None)) < MARGIN * best(lambda: nn.functional.linear(x, weight))
+        ours, torchs = best_of(lambda: packed_linear(x, packed, None)), best_of(lambda: nn.functional.linear(x, weight))
+    return ours < MARGIN * torchs
 
 
 @torch.no_grad()

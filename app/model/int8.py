@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import warnings
 from collections.abc import Mapping
 
@@ -41,6 +40,7 @@ from app.kernels.int8_mm import PackedWeight
 from app.kernels.int8_rows import ACT_MAX, FINE, QMAX, combine_rows, quantize_rows, split_rows, split_rows_float
 from app.model.family import fast_path_reason
 from app.model.ragged import supports
+from app.model.timing import best_of
 
 log = logging.getLogger(__name__)
 
@@ -241,16 +241,7 @@ def int8_matmul_is_fast() -> bool:
     weight = torch.randint(-QMAX, QMAX + 1, (out, inner), dtype=torch.int8)
     x, weight32 = torch.randn(rows, inner), torch.randn(out, inner)
 
-    def best(run) -> float:
-        run()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(lambda: torch._int_mm(parts, weight.t())) < best(lambda: x @ weight32.t())
+    return best_of(lambda: torch._int_mm(parts, weight.t())) < best_of(lambda: x @ weight32.t())
 
 
 @torch.no_grad()
