@@ -142,7 +142,7 @@ def use_packed(model: nn.Module) -> bool:
         log.info("float32 matmuls: torch's (oneDNN's packed linear is not in this torch, or TEXTENV_ONEDNN=0)")
         return False
     if not packed_is_faster():
-        log.info("float32 matmuls: torch's (faster than oneDNN's packed linear on this CPU)")
+        log.info("float32 matmuls: torch's (oneDNN's packed linear is not clearly faster on this CPU)")
         return False
     to_packed(model)
     layers = sum(isinstance(m, PackedLinear) for m in model.modules())  # (a copy of a packed model: packed already)
