@@ -108,18 +108,20 @@ def packed_is_faster() -> bool:
     return ours < MARGIN * torchs
 
 
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` where `model`'s submodule `name` is."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
 @torch.no_grad()
-def to_packed(model: nn.Module) -> int:
-    """Replace every float32 nn.Linear of `model` by a PackedLinear on the same parameters, packed now; returns
-    how many."""
-    linears = [(name, module) for name, module in model.named_modules()
-               if type(module) is nn.Linear and module.weight.dtype == torch.float32]
-    for name, linear in linears:
-        parent, _, child = name.rpartition(".")
+def to_packed(model: nn.Module) -> None:
+    """Replace every float32 nn.Linear of `model` by a PackedLinear on the same parameters, packed now."""
+    for name, linear in [(name, m) for name, m in model.named_modules()
+                         if type(m) is nn.Linear and m.weight.dtype == torch.float32]:
         packed = PackedLinear(linear)
         packed.repack()
-        setattr(model.get_submodule(parent) if parent else model, child, packed)
-    return len(linears)
+        _replace(model, name, packed)
 
 
 def plain_copy(model: nn.Module) -> nn.Module:
@@ -131,8 +133,7 @@ def plain_copy(model: nn.Module) -> nn.Module:
             linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                device="meta")
             linear.weight, linear.bias = module.weight, module.bias
-            parent, _, child = name.rpartition(".")
-            setattr(copy_.get_submodule(parent) if parent else copy_, child, linear)
+            _replace(copy_, name, linear)
     return copy_
 
 
