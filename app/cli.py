@@ -100,10 +100,10 @@ def _ask(args) -> int:
 
     engine = Engine(load_backend(), tools=tools, prompt=prompt, protocol=settings.protocol)
     settings = settings.validated(engine.context_limit)  # (--max-length not given: what fits this backend)
-    failed = 0
+    failed: list[int] = []  # rows whose model or server failed mid-answer: the exit status says so, as the text does
     for event in in_row_order(engine.stream_batch(args.questions, settings)):  # the rows run at once
         if isinstance(event, EpisodeFinished) and event.episode.error is not None:
-            failed += 1  # (the model or its server failed mid-answer: the exit status says so, as the text does)
+            failed.append(event.row)
         if args.json:
             if isinstance(event, EpisodeFinished):
                 print(json.dumps(event.episode.to_json(), ensure_ascii=False), flush=True)
@@ -113,6 +113,9 @@ def _ask(args) -> int:
             print(_describe(event.segment), flush=True)
         elif isinstance(event, EpisodeFinished):
             print(_summary(event.episode), flush=True)
+    if failed:  # (every answer was printed: one failed row costs no other its answer)
+        which = "; ".join(f"{row + 1} ({args.questions[row]!r})" for row in failed)
+        print(f"error: {len(failed)} of {len(args.questions)} answers failed: question {which}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -31,7 +31,16 @@ def skip_line(reports) -> str:
     return "skipped: " + ("; ".join(f"{n} {reason}" for reason, n in counts.most_common()) or "none")
 
 
+FUZZ_TURNS = pytest.StashKey[dict]()  # tests/test_fuzz_turns.py's turns by how they ended, its tool segments
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    fuzz = config.stash.get(FUZZ_TURNS, {})
+    if fuzz:
+        ends = ", ".join(f"{n} {end}" for end, n in sorted(fuzz["ends"].items(), key=lambda item: -item[1]))
+        terminalreporter.write_line(f"fuzz of model output: {sum(fuzz['ends'].values())} turns, each ended as "
+                                    f"recorded ({ends}); {fuzz['tools']} tool segments, {fuzz['errors']} of "
+                                    f"them errors the model read")
     # the counts are taken here, where pytest shows its summary, and written in pytest_unconfigure, after
     # pytest's own last line ("3 passed, 39 skipped in ..."), so the skip count is the run's last line
     if not config.option.collectonly:
@@ -119,6 +128,30 @@ def tiny(request, tokenizer) -> LocalBackend:
 @pytest.fixture(scope="session")
 def tiny_llama(tokenizer) -> LocalBackend:
     return _tiny("llama", tokenizer)
+
+
+CALL_MARKERS = ("<tool_call>", "</tool_call>")
+
+
+def with_special_markers(tokenizer):
+    """A copy of `tokenizer` with the chat protocol's call markers as special tokens, one id each, as Qwen2's and
+    Qwen3's are: text holding a marker, tokenized with special tokens on, gives that id."""
+    import copy
+
+    marked = copy.deepcopy(tokenizer)
+    marked.add_special_tokens({"extra_special_tokens": list(CALL_MARKERS)}, replace_extra_special_tokens=False)
+    return marked
+
+
+@pytest.fixture(scope="session")
+def marker_tokenizer(tokenizer):
+    return with_special_markers(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_markers(marker_tokenizer) -> LocalBackend:
+    """A tiny random llama on the tokenizer whose call markers are special tokens (with_special_markers)."""
+    return _tiny("llama", marker_tokenizer)
 
 
 def tiny_family(kind: str, tokenizer) -> LocalBackend:
@@ -209,19 +242,35 @@ class WritingModel(ForcedModel):
         super().__init__(base)
         self.tokenizer, self.pieces, self.ids, self.marker, self.specials = tokenizer, pieces, [], marker, specials
 
+    DRAFTED = 17  # positions of a pass that choose a token: its drafts' (at most 16) and the last one
+
     def forward(self, input_ids, **kwargs):
         past = kwargs.get("cache")
-        if past is None or past.get_seq_length() == 0:
-            self.ids = []
-        self.ids += input_ids[0].tolist()
-        written = self.tokenizer.decode(self.ids)
-        text = self.pieces[min(written.count(self.marker), len(self.pieces) - 1)]
-        written = written[-len(text) - 1:]
-        k = next(k for k in range(min(len(text), len(written)), -1, -1) if written.endswith(text[:k]))
-        rest = (self.tokenizer(text[k:], add_special_tokens=False)["input_ids"] if self.specials
-                else encode(self.tokenizer, text[k:]))
-        self.plan = {self.step: rest[0]} if rest else {}
-        return super().forward(input_ids, **kwargs)
+        # the ids the cache holds (rejected drafts left it), then this pass's
+        self.ids = self.ids[: 0 if past is None else past.get_seq_length()] + input_ids[0].tolist()
+        self.plan = {}
+        out = super().forward(input_ids, **kwargs)
+        logits = out.logits.clone()
+        kept = logits.shape[1]  # (the last positions' logits only, where the caller asks for those)
+        for j in range(max(0, kept - self.DRAFTED), kept):  # every position a draft is verified at writes the script
+            rest = script_rest(self.tokenizer, self.ids[: len(self.ids) - kept + j + 1], self.pieces, self.marker,
+                               self.specials)
+            if rest:
+                logits[0, j, rest[0]] = logits[0, j].max() + 100.0
+        out.logits = logits
+        return out
+
+
+def script_rest(tokenizer, ids: list[int], pieces: tuple[str, ...], marker: str, specials: bool) -> list[int]:
+    """What a scripted model still has to write after `ids`: the part of `pieces[i]` (i: the tool outputs so far,
+    counted by `marker`) that the ids do not end with yet, as tokens; `specials`: special-token texts in it are those
+    tokens."""
+    written = tokenizer.decode(ids)
+    text = pieces[min(written.count(marker), len(pieces) - 1)]
+    written = written[-len(text) - 1:]
+    k = next(k for k in range(min(len(text), len(written)), -1, -1) if written.endswith(text[:k]))
+    return (tokenizer(text[k:], add_special_tokens=False)["input_ids"] if specials
+            else encode(tokenizer, text[k:]))
 
 
 def writing(backend: LocalBackend, *pieces: str, marker: str = "<response>", specials: bool = False) -> LocalBackend:

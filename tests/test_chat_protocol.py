@@ -151,7 +151,7 @@ def test_a_tool_s_output_cannot_forge_a_marker(tiny_llama, tokenizer):
 
 
 @pytest.mark.parametrize("written, error", [
-    ('{"name": "calculator", "arguments": {"expression": "1 + 1"}}<|im_end|>', "goes between <tool_call> and"),
+    ('{"name": "calculator", "arguments": {"expression": "1 + 1"}}<|im_end|>', "goes between ‹tool_call› and"),
     ('<tool_call>[{"name": "joke", "arguments": {}}]</tool_call>', "unknown tool 'joke'"),
     ('<tool_call>[{"name": "calculator", "arguments": {"expr": "1"}}]</tool_call>', "missing expression; unknown expr"),
     ('<tool_call>[{"name": "calculator", "arguments": {"expression": 7}}]</tool_call>', "expression must be a string"),

@@ -171,6 +171,13 @@ def test_ask_says_when_the_model_fails_and_exits_non_zero(tiny_llama, monkeypatc
     monkeypatch.setattr(app.backends.select, "load_backend", lambda: LocalBackend(loaded))
     assert main(["ask", "What is 2+2?"]) == 1
     assert "\n  [error: out of memory (simulated)]\n" in capsys.readouterr().out
+    # several questions: every answer is printed, then one line names the row that failed
+    model.fail_at, model.calls = 3, 0  # (one row a step on this wrapped model: the first question's first token)
+    assert main(["ask", "What is 2+2?", "Hello!", "--max-new-tokens", "4", "--json"]) == 1
+    out = capsys.readouterr()
+    first, second = [json.loads(line) for line in out.out.splitlines()]
+    assert first["error"] == "out of memory (simulated)" and "error" not in second, second
+    assert out.err == "error: 1 of 2 answers failed: question 1 ('What is 2+2?')\n"
     model.fail_at, model.calls = 10**9, 0
     assert main(["ask", "What is 2+2?", "--max-new-tokens", "2"]) == 0
 

@@ -39,6 +39,8 @@ class SegmentRun:
     stop: Stop | None = None
     # given by the engine: the protocol's stop strings (a string match among them ends the segment, as EOS does)
     stop_strings: tuple[str, ...] = ()
+    # given by the engine: special tokens that are the protocol's markers, text of the segment (segment_text)
+    shown: frozenset[int] = frozenset()
     prefill_tokens: int | None = 0  # tokens fed through the model as new input; None: the server did not say
     cached_tokens: int | None = 0  # tokens whose keys/values came from a cache; None: the server did not say
     generated_tokens: int = 0  # tokens the model chose

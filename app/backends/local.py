@@ -83,7 +83,7 @@ class LocalBackend:
     def guide_vocab(self) -> GuideVocab:
         """The guide's view of the tokenizer (app.decoding.guide_matcher), built once when first needed."""
         with self.lock:  # the tokenizer
-            return GuideVocab(self.tokenizer, self.loaded.eos_ids)
+            return GuideVocab(self.tokenizer, self.loaded.eos_ids, self.lock)
 
     def stats(self) -> BackendStats:
         counts = self.scheduler.stats
@@ -155,7 +155,7 @@ class LocalSegment:
                  generator: torch.Generator, guide: GuideMatcher | None):
         self.cache, self.settings, self.cancel, self.run = cache, settings, cancel, run
         self.generator, self.lock, self.scheduler, self.guide = generator, lock, scheduler, guide
-        self.stops, self.detok = stops.start(), Detokenizer(tokenizer)
+        self.stops, self.detok = stops.start(), Detokenizer(tokenizer, run.shown)
         self.added = 0  # tokens the segment added: the model's and the guide's (max_new_tokens bounds them all)
         self.first = True  # before the segment's first pass (its prefill)
         greedy_drafts = settings.draft_tokens and settings.temperature <= 0

@@ -316,7 +316,8 @@ class ServerBackend:
     def guide_vocab(self) -> GuideVocab:
         """The guide's view of the tokenizer (app.decoding.guide_matcher), built once when a guided segment first ends."""
         with self.lock:  # the tokenizer
-            return GuideVocab(self.tokenizer)  # (the tokenizer's own EOS ends a grammar's text, as a completion)
+            # (the tokenizer's own EOS ends a grammar's text, as a completion)
+            return GuideVocab(self.tokenizer, lock=self.lock)
 
     def _replay(self, cache: TokenCache, start: int, run: SegmentRun, raise_error: bool) -> None:
         """Who chose each token the server added (run.provenance), by the segment's grammar: forced where it fixed

@@ -31,10 +31,11 @@ class GuideVocab:
 
     COMPILED = 64  # grammars kept (each tool output makes one)
 
-    def __init__(self, tokenizer, eos_ids: Iterable[int] = ()):
+    def __init__(self, tokenizer, eos_ids: Iterable[int] = (), lock: threading.RLock | None = None):
         self.size = len(tokenizer)
         eos = sorted(eos_ids) or None  # (None: the tokenizer's own EOS; llguidance refuses an empty list)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.size, eos_token=eos)
+        self._hf, self._hf_lock = tokenizer, lock or threading.RLock()  # (the backend's: its tokenizer's lock)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -60,6 +61,15 @@ class GuideVocab:
             while len(self._compiled) > self.COMPILED:
                 self._compiled.popitem(last=False)
         return compiled.deep_copy()
+
+    def as_text(self, tokens: list[int]) -> list[int]:
+        """`tokens` as untrusted text is tokenized (app.protocol.encode): the same text, where a special token's
+        text in it (a tool's `<tool_call>` that llguidance's tokenizer matched as the special token) stays text."""
+        if not any(self.tokenizer.is_special_token(t) for t in tokens):
+            return tokens  # (llguidance's tokenizer is the model's own: the same ids as encode)
+        with self._hf_lock:
+            text = self._hf.decode(tokens, skip_special_tokens=False)
+            return self._hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def check(self, grammar: str) -> None:
         """Raise GuideError where llguidance rejects the grammar."""
@@ -115,8 +125,10 @@ class GuideMatcher:
         return self._matcher.is_stopped()
 
     def forced(self) -> list[int]:
-        """The tokens of the text the grammar fixes next (none where the model has a choice)."""
-        return self._matcher.compute_ff_tokens()
+        """The tokens of the text the grammar fixes next (none where the model has a choice), tokenized as untrusted
+        text is (GuideVocab.as_text), and only as many as the grammar takes: the grammar and the ids agree."""
+        tokens = self._vocab.as_text(self._matcher.compute_ff_tokens())
+        return tokens[: self._matcher.validate_tokens(tokens)]
 
     def is_forced(self) -> bool:
         """Whether the grammar fixes the next text (a token taken now is the guide's, whichever spells it)."""

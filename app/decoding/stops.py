@@ -12,24 +12,34 @@ import bisect
 from app.episode import Limit, Stop, StopReason
 
 
+def segment_text(tokenizer, ids: list[int], shown: frozenset[int] = frozenset()) -> str:
+    """A model segment's text: special tokens left out (EOS, the template's own) except `shown`, a protocol's
+    markers where the tokenizer has them as special tokens (Qwen's `<tool_call>`), which are the segment's text."""
+    if not shown.intersection(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    hidden = set(tokenizer.all_special_ids) - shown
+    return tokenizer.decode([i for i in ids if i not in hidden], skip_special_tokens=False)
+
+
 class Detokenizer:
-    """Turns generated token ids into text deltas, decoding only the few tokens since the last emitted text.
+    """Turns generated token ids into text deltas (segment_text), decoding only the few tokens since the last
+    emitted text.
 
     Holds a delta back while it ends in an incomplete UTF-8 character (decoded as U+FFFD).
     """
 
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer, shown: frozenset[int] = frozenset()):
+        self._tokenizer, self._shown = tokenizer, shown
         self._ids: list[int] = []
         self._prefix = 0  # window start: decoding from here keeps word-boundary spaces right
         self._read = 0  # ids before this are already emitted as text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return segment_text(self._tokenizer, ids, self._shown)
 
     def copy(self) -> "Detokenizer":
         """One that goes on from here on its own (what drafts would read as: app.decoding.choose)."""
-        other = Detokenizer(self._tokenizer)
+        other = Detokenizer(self._tokenizer, self._shown)
         other._ids, other._prefix, other._read = self._ids[self._prefix:], 0, self._read - self._prefix
         return other
 

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from app.backends.base import Backend, SegmentRun
 from app.decoding.guide import Guide
-from app.decoding.stops import Holdback, tokens_before
+from app.decoding.stops import Holdback, segment_text, tokens_before
 from app.engine.session import Session
 from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished, SegmentStarted,
                          Stop, StopReason, TextDelta)
@@ -66,9 +66,15 @@ class Engine:
         with self.backend.lock:
             return self.protocol.prompt_ids(prompt)
 
-    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def _decode(self, ids: list[int]) -> str:
         with self.backend.lock:
-            return self.backend.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.backend.tokenizer.decode(ids)
+
+    def _segment_text(self, ids: list[int]) -> str:
+        """A model segment's text (app.decoding.stops.segment_text): the protocol's markers shown, other special
+        tokens left out."""
+        with self.backend.lock:
+            return segment_text(self.backend.tokenizer, ids, self.protocol.marker_ids)
 
     @property
     def shared_kv_bytes(self) -> int:
@@ -226,7 +232,8 @@ class Engine:
                        guide: Guide | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
-        run = SegmentRun(stop_strings=self.protocol.stop_strings, grammar=guide.grammar if guide else None,
+        run = SegmentRun(stop_strings=self.protocol.stop_strings, shown=self.protocol.marker_ids,
+                         grammar=guide.grammar if guide else None,
                          provenance=[] if guide else None, logprobs=[] if settings.logprobs else None)
         yield SegmentStarted(row, "model")
         try:
@@ -257,7 +264,7 @@ class Engine:
                 if rest := stream.close(end):
                     yield TextDelta(row, rest)
         finally:
-            segment = Segment("model", self._decode(cache.ids[start:], skip_special_tokens=True), start, len(cache),
+            segment = Segment("model", self._segment_text(cache.ids[start:]), start, len(cache),
                               stop=run.stop or Stop(StopReason.CANCELLED), prefill_tokens=run.prefill_tokens,
                               cached_tokens=run.cached_tokens, generated_tokens=run.generated_tokens,
                               ms=(time.perf_counter() - began) * 1000, steered_known=run.steered_known,
@@ -272,8 +279,8 @@ class Engine:
         from the segment's tokens (whole tokens: one that also holds answer text stays); return how many
         characters of the segment's text remain."""
         ids = cache.ids[start:]
-        ends = [len(self._decode(ids[:n], skip_special_tokens=True)) for n in range(1, len(ids) + 1)]
-        text = self._decode(ids, skip_special_tokens=True)
+        ends = [len(self._segment_text(ids[:n])) for n in range(1, len(ids) + 1)]
+        text = self._segment_text(ids)
         at = text.rfind(string)  # where the recorded stop string begins: generation ended right after it
         kept = len((text[:at] if at >= 0 else text).rstrip())  # (-1: a server left the string's tokens out)
         cache.truncate(start + tokens_before(ends, kept))
@@ -287,12 +294,14 @@ class Engine:
         yield SegmentStarted(row, "tool")
         cache = session.cache
         with self.backend.lock:
-            if isinstance(call, ToolCallError):  # (the protocol's own words, which name its markers)
+            if isinstance(call, ToolCallError):
                 name, query, text, ok, ran = None, None, f"error: {call}", False, None
             else:
                 result = run_tool(self.tools, call.name, call.query)
-                name, query, ok, ran = call.name, call.query, result.ok, result.ran
-                text = self.protocol.neutralize(result.text)
+                name, query, ok, ran, text = call.name, call.query, result.ok, result.ran, result.text
+            # a protocol's error names its markers, and a tool's output may hold them: both in look-alikes, so that
+            # an answer copying them (the guide's owed text) never writes a marker or a special token
+            text = self.protocol.neutralize(text)
             if len(text) > settings.max_tool_response:
                 text = text[: settings.max_tool_response - 1] + "…"
             whole = self.protocol.result_ids(call_segment, cache.ids[-8:], text, index, count)

@@ -22,6 +22,9 @@ class Protocol(ABC):
     stop_strings: tuple[str, ...]  # where a model segment stops (with EOS and the length limits)
     cut_stops: frozenset[str] = frozenset()  # stop strings dropped from the segment's tokens (not part of it)
     answer_ends_at_eos: bool = True  # a finished answer's last token is EOS (textenv's is its `<submit>` marker)
+    # the protocol's markers that the tokenizer has as special tokens (Qwen's `<tool_call>`): a segment's text
+    # shows them (app.decoding.stops.segment_text), as it leaves out every other special token
+    marker_ids: frozenset[int] = frozenset()
 
     @abstractmethod
     def default_template(self) -> str:
@@ -64,3 +67,9 @@ class Protocol(ABC):
     @abstractmethod
     def call_text(self, call: ToolCall, tools: Mapping[str, Tool]) -> str:
         """The text of `call` as the model writes it, ending with the stop string that ends a call."""
+
+
+def special_marker_ids(tokenizer, markers: tuple[str, ...]) -> frozenset[int]:
+    """The ids of those `markers` that the tokenizer has as special tokens, one id each."""
+    specials = set(tokenizer.all_special_tokens)
+    return frozenset(tokenizer.convert_tokens_to_ids(m) for m in markers if m in specials)

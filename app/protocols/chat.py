@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from app.decoding.guide import Guide, claimed_guide
 from app.episode import Segment, StopReason
-from app.protocols.base import Protocol, ToolCall, ToolCallError
+from app.protocols.base import Protocol, ToolCall, ToolCallError, special_marker_ids
 from app.protocols.chat_guide import chat_guide
 from app.protocols.chat_prompt import default_chat_template, render_chat_prompt, tool_schema
 from app.protocols.chat_template import TemplatePieces, own_template, renders_tools
@@ -47,6 +47,7 @@ class ChatProtocol(Protocol):
         self.open_tag = self.opening.strip().rstrip("[").strip()
         names = sorted({self.open_tag.strip("</>"), self.closing.strip("</>"), "tool_response", "tools"})
         self._markers = re.compile(r"<\s*/?\s*(" + "|".join(map(re.escape, names)) + r")\s*>", re.IGNORECASE)
+        self.marker_ids = special_marker_ids(tokenizer, (self.open_tag, self.closing))
 
     # ---- text <-> ids -----------------------------------------------------------------------------------------
     def _template_ids(self, text: str) -> list[int]:

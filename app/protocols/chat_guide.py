@@ -1,7 +1,7 @@
-"""The chat protocol's guide: a reply is an answer (one line, ended by EOS) or one call of a session's tool whose
-JSON follows the tool's schema (its name, its one argument, a string of at most the tool's `max_query` characters),
-between the template's call tags; after a tool's result the answer begins with what the examples copy from it, as
-in the textenv guide (app.decoding.guide).
+"""The chat protocol's guide: a reply is an answer (one line, ended by EOS, never opening with a call's JSON) or one
+call of a session's tool whose JSON follows the tool's schema (its name, its one argument, a string of at most the
+tool's `max_query` characters), between the template's call tags; after a tool's result the answer begins with what
+the examples copy from it, as in the textenv guide (app.decoding.guide).
 
 The grammar is GBNF, the one format llguidance (in process), llama.cpp's server (`grammar`) and vLLM all take; the
 call's JSON is written from the schema here rather than by llguidance's `%json`, which only its Lark syntax has.
@@ -42,7 +42,7 @@ def chat_guide(tools: Mapping[str, Tool], syntax: CallSyntax, after: Segment | N
         tool = find_tool(tools, after.ran or after.tool or "")
         owed = owed_text(after.result, after.ok, tool.answer if tool is not None else str)
     if owed is None:
-        lines.append('answer ::= [^\\n< ] text')
+        lines.append('answer ::= [^\\n< {[] text')  # (not `{` or `[`: a call's JSON outside its tags)
     elif NUMBER.fullmatch(owed):  # no more of the number after it ("943" is not "9431" or "943.5")
         lines.append(f"answer ::= {literal(ANSWER_PREFIX + owed)} ([^0-9.,eE\\n<] text | [.,] ([^0-9\\n<] text)?)?")
     else:

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 
 from app.decoding.guide import Guide, claimed_guide, segment_guide
 from app.episode import Segment
-from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, STOP_STRINGS, calls_tool, encode,
-                          neutralize, parse_tool_call)
-from app.protocols.base import Protocol, ToolCall, ToolCallError
+from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, STOP_STRINGS, SUBMIT, calls_tool,
+                          encode, neutralize, parse_tool_call)
+from app.protocols.base import Protocol, ToolCall, ToolCallError, special_marker_ids
 from app.protocols.textenv_prompt import default_prompt_template, render_prompt
 from app.tools.base import Tool
 
@@ -26,6 +26,7 @@ class TextEnvProtocol(Protocol):
     def __init__(self, tokenizer, special_token_texts: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.specials = tuple(special_token_texts)
+        self.marker_ids = special_marker_ids(tokenizer, (REQUEST, CALL, RESPONSE, SUBMIT))
 
     def default_template(self) -> str:
         return default_prompt_template()
