@@ -152,6 +152,7 @@ class Episode:
     unrun_call: bool = False  # the answer ended with a tool call that max_turns left unrun
     guide: bool = False  # whether the guide (app.decoding.guide) shaped the model segments
     protocol: str = ""  # how model and tools talked (app.protocols: textenv or chat)
+    answered: bool = False  # the model ended its answer itself: EOS, or the protocol's end (textenv's `<submit>`)
 
     UNRUN_NOTE = "the last tool call was not run: max_turns (tool calls per answer) was reached"
 

@@ -42,7 +42,7 @@ from app.engine.engine import Engine  # noqa: E402
 from app.episode import Episode
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import WEIGHT_FORMATS, load_model, load_tokenizer, weight_format  # noqa: E402
-from app.protocol import SUBMIT  # noqa: E402
+from app.protocols.textenv.markers import SUBMIT  # noqa: E402
 from app.settings import Settings
 
 from components.inputs import DEFAULTS as PAGE  # noqa: E402  (the page's settings; no Gradio import)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from tests.support.llama_server import LlamaServer  # noqa: E402
 from app.backends.server_client import ModelServer  # noqa: E402
-from app.protocols.textenv_prompt import default_prompt_template, render_prompt  # noqa: E402
+from app.protocols.textenv.prompt import default_prompt_template, render_prompt  # noqa: E402
 from app.model.kvcache import new_kv  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.model.ragged import Row, ragged_forward  # noqa: E402

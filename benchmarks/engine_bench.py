@@ -21,12 +21,12 @@ import app  # noqa: E402,F401  (before torch: one intra-op thread in every threa
 import torch  # noqa: E402
 
 from app.decoding.stops import Detokenizer  # noqa: E402
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.engine.engine import Engine  # noqa: E402
 from app.episode import TextDelta
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
-from app.protocol import STOP_STRINGS  # noqa: E402
+from app.protocols.textenv.markers import STOP_STRINGS  # noqa: E402
 from app.settings import Settings
 from app.threads import use_model_threads  # noqa: E402
 from server_bench import in_thread  # noqa: E402

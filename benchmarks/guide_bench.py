@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import app  # noqa: E402,F401  (first: one intra-op thread in every thread but the model's, app.threads)
 import torch  # noqa: E402
 
-from app.decoding.guide import build_guide  # noqa: E402
+from app.protocols.textenv.grammar import build_guide  # noqa: E402
 from app.model.kvcache import new_kv  # noqa: E402
 from app.backends.local import LocalBackend  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
 from app.model.ragged import Row, ragged_forward  # noqa: E402
-from app.protocol import encode  # noqa: E402
+from app.protocols.base import encode  # noqa: E402
 from app.threads import use_model_threads  # noqa: E402
 from decode_bench import context_ids  # noqa: E402
 from server_bench import in_thread  # noqa: E402

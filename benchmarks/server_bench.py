@@ -36,7 +36,7 @@ from app.backends.server_client import ModelServer  # noqa: E402
 from app.engine.engine import Engine  # noqa: E402
 from app.episode import SegmentFinished, TextDelta
 from app.model.loading import load_model  # noqa: E402
-from app.protocol import CALL  # noqa: E402
+from app.protocols.textenv.markers import CALL  # noqa: E402
 from app.settings import Settings
 
 LONG = "Write a long story about a robot who learns to paint."

@@ -54,7 +54,7 @@ class ApiHandlers:
         try:
             engine, values, prompt = self._api_settings(settings)
             session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
-            with self.store.turn_slot(self.shared_kv_bytes, reserve=self.kv_reserve(session, values.use_cache)):
+            with self.job_slot(session, use_cache=values.use_cache):
                 return engine.ask(session, question, values).to_json()
         except Exception as error:  # API boundary: the client gets the message, the log the traceback
             raise api_error(error, "/ask") from None
@@ -86,7 +86,7 @@ class ApiHandlers:
             self.page_of(entry).chat_changed(change, engine.tools)  # (as the page's chat: the notes say so)
             text = ""
             cancel = entry.chat_stop.begin(None)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, **self.turn_room(session, values.use_cache)):
+            with self.chat_slot(session, values.use_cache, cancel):
                 for events in in_batches(engine.turn(session, message, values, cancel=cancel), cancel):
                     before = len(text)
                     for event in events:

@@ -68,8 +68,7 @@ class BatchTab:
                 mode = "on" if cached else "off"
                 values = dataclasses.replace(settings, use_cache=cached)
                 finished: dict[int, Episode] = {}
-                reserve = self.kv_reserve(engine.new_session(prompt), cached, rows=len(questions))
-                with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=reserve):
+                with self.job_slot(engine.new_session(prompt), cancel, use_cache=cached, rows=len(questions)):
                     began = time.perf_counter()  # (after any wait for the budget)
                     for event in engine.stream_batch(questions, values, prompt, cancel=cancel):  # rows at once
                         if isinstance(event, EpisodeFinished):

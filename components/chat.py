@@ -12,7 +12,6 @@ import html
 import re
 
 from app.episode import Episode, Segment, Stop, StopReason
-from app.protocol import SUBMIT
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~$])")
 
@@ -136,13 +135,13 @@ def chat_messages(episodes: list[Episode], notes: list[str] = (), partial: str |
 
 
 def ending_note(episode: Episode | None) -> str | None:
-    """Why a turn ended where the model did not end its answer itself (`<submit>` or EOS), so that a reply that
+    """Why a turn ended where the model did not end its answer itself (Episode.answered), so that a reply that
     looped to the repetition stop with no answer is not shown as plain "done"."""
     if episode is None:
         return None
     if episode.unrun_call:
         return "ended by max_turns: the last tool call was not run"
     stop = episode.stop
-    if stop is None or stop.reason in (StopReason.EOS, StopReason.CANCELLED) or stop.string == SUBMIT:
+    if stop is None or episode.answered or stop.reason is StopReason.CANCELLED:
         return None
     return f"ended by {stop.label}"

@@ -145,8 +145,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
             session, change = self.prepare(entry, engine, settings, self._page_prompt(engine, page), question)
             state.chat_changed(change, engine.tools)
             partial: str | None = None
-            room = self.turn_room(session, settings.use_cache)  # (it waits while running jobs fill the budget)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, **room):
+            with self.chat_slot(session, settings.use_cache, cancel):  # (it waits while running jobs fill the budget)
                 # (the turn runs at the model's pace; each update shows everything that arrived since the last)
                 for events in in_batches(engine.turn(session, message, settings, cancel=cancel), cancel):
                     state.started(sent)  # the episode shows it from now on
@@ -269,7 +268,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
             run, render = (compare, compare_markdown) if what == "cache" else (compare_guide, guide_markdown)
             # (room for a run that holds the whole session in a cache of its own: the cache-off run needs more
             # than the cached one; the guide's runs copy the session's cache)
-            with self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache=False)):
+            with self.job_slot(session, cancel, use_cache=False):
                 result = run(engine, session, question, settings, cancel=cancel, turns=turns)
             state.compare_ended(mine)
             shown, status = render(result), done_status(state.unanswered_besides(), len(state.comparing),

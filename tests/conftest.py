@@ -12,7 +12,7 @@ import torch
 
 from app.backends.local import LocalBackend
 from app.model.loading import LoadedModel, load_model, load_tokenizer, wrap
-from app.protocol import encode
+from app.protocols.base import encode
 
 _SKIP_LINE = pytest.StashKey[str]()
 

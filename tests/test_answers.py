@@ -13,7 +13,7 @@ import pytest
 
 from app.decoding.stops import StopReason
 from app.engine.engine import Engine
-from app.protocol import RESPONSE, SUBMIT
+from app.protocols.textenv.markers import RESPONSE, SUBMIT
 from components.inputs import DEFAULTS as PAGE  # the page's settings
 
 

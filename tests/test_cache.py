@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from app.engine.engine import Engine
 from app.model.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache, new_kv
-from app.protocol import encode
+from app.protocols.base import encode
 from app.settings import Settings
 from tests.conftest import forced, logit_tolerance, plan_text, prime
 

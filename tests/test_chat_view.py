@@ -102,10 +102,9 @@ def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
     from components.chat import ending_note
     from components.handlers import done_status
 
-    def ended(stop: Stop, unrun: bool = False) -> str | None:
-        episode = Episode("q", 0, 1, use_cache=True)
+    def ended(stop: Stop, unrun: bool = False, answered: bool = False) -> str | None:
+        episode = Episode("q", 0, 1, use_cache=True, unrun_call=unrun, answered=answered)
         episode.segments = [Segment("model", "x", 0, 1, stop=stop)]
-        episode.unrun_call = unrun
         return ending_note(episode)
 
     assert ended(Stop(StopReason.REPETITION)) == "ended by repetition"
@@ -113,8 +112,9 @@ def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
     assert ended(Stop(StopReason.STRING_MATCH, string="\nQ:")) == "ended by string match \\nQ:"
     assert ended(Stop(StopReason.STRING_MATCH, string="<call>"), unrun=True) == (
         "ended by max_turns: the last tool call was not run")
-    for clean in (Stop(StopReason.STRING_MATCH, string="<submit>"), Stop(StopReason.EOS), Stop(StopReason.CANCELLED)):
-        assert ended(clean) is None
+    for clean in (Stop(StopReason.STRING_MATCH, string="<submit>"), Stop(StopReason.EOS)):  # (the engine says so:
+        assert ended(clean, answered=True) is None  # Protocol.ends_answer, tests/test_protocol.py)
+    assert ended(Stop(StopReason.CANCELLED)) is None
     assert ending_note(None) is None
     assert done_status(1, ended="ended by repetition") == "done · ended by repetition · 1 more message to answer"
     assert done_status(0) == "done"

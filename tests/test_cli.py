@@ -138,8 +138,8 @@ def test_no_guide_lets_the_model_write_alone_and_the_guide_says_what_it_chose():
 
 
 def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
-    from app.protocols.textenv_prompt import render_prompt
-    from app.protocol import encode
+    from app.protocols.textenv.prompt import render_prompt
+    from app.protocols.base import encode
     from app.tools.registry import get_tools
 
     template = ("Tools:\n{tools}\n\nQ: What is 6 * 7?\n<request><Calculator>6 * 7<call>42<response>\n"

@@ -11,7 +11,7 @@ import re
 import gradio as gr
 import pytest
 
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.serving.sessions import MB, SessionStore
 from components.handlers import ChatService
 from components.status import finished_marker

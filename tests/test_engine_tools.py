@@ -9,7 +9,7 @@ import pytest
 from app.decoding.stops import StopReason
 from app.engine.engine import Engine
 from app.episode import Episode
-from app.protocol import encode
+from app.protocols.base import encode
 from app.settings import Settings
 from app.tools.base import Tool, ToolError
 from app.tools.registry import default_tools, get_tools

@@ -10,7 +10,7 @@ import pytest
 from app.decoding.guide import literal
 from app.decoding.guide_matcher import GuideError, GuideVocab
 from app.engine.engine import Engine
-from app.protocol import encode
+from app.protocols.base import encode
 from app.protocols import make_protocol
 from app.settings import Settings
 from app.tools.registry import default_tools

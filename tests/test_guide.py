@@ -5,11 +5,12 @@ from __future__ import annotations
 import llguidance
 import pytest
 
-from app.decoding.guide import build_guide, claimed_guide, literal, owed_text
+from app.protocols.textenv.grammar import build_guide
+from app.decoding.guide import claimed_guide, literal, owed_text
 from app.decoding.guide_matcher import GuideError, GuideVocab, replay
 from app.engine.engine import Engine
 from app.episode import Provenance
-from app.protocol import encode
+from app.protocols.base import encode
 from app.settings import Settings
 from app.tools.registry import default_tools
 from tests.conftest import prime, writing
@@ -235,7 +236,7 @@ def test_in_process_and_replayed_provenance_agree_where_the_grammar_fixes_a_toke
 
 
 def episode_guide_grammar(episode, segment) -> str:
-    from app.decoding.guide import segment_guide
+    from app.protocols.textenv.grammar import segment_guide
 
     i = episode.segments.index(segment)
     after = episode.segments[i - 1] if i and episode.segments[i - 1].kind == "tool" else None

@@ -8,7 +8,7 @@ import gradio as gr
 import pytest
 
 from app.decoding.stops import StopReason
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.serving.sessions import MB, SessionStore
 from components.chat import WAITING, waiting_messages
 from components.handlers import ChatService

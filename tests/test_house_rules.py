@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "components")
-LEAVES = {"app", "app.settings", "app.protocol", "app.episode", "app.paths", "app.threads"}
+LEAVES = {"app", "app.settings", "app.episode", "app.paths", "app.threads"}
 PAGE_FACES = {"app.engine", "app.backends", "app.serving", "app.tools"}
 # Lower never imports higher; the same rank may (no circle aside). Shared leaves sit below everything.
 RANKS = {"app.kernels": 1, "app.model": 2, "app.decoding": 3, "app.protocols": 3, "app.tools": 3, "app.backends": 4,
@@ -184,3 +184,23 @@ def test_faces_and_inner_modules_are_told_apart():
     raw = {"components.chat": {"app.engine", "app.episode"}, "app.kernels.int8_mm": {"app.kernels.native"},
            "app.kernels.native": {"ctypes"}, "app.engine": set(), "app.episode": set()}
     assert broken_rules(graph, raw) == []
+
+
+def test_each_protocol_lives_in_one_place():
+    """textenv is all in app/protocols/textenv/ (markers, parser, prompt, grammar), as chat is in app/protocols/:
+    no app/protocol.py, and nothing outside app/protocols reaches into textenv's modules (the page asks the Protocol
+    interface, e.g. Episode.answered, never a protocol's markers)."""
+    assert not (ROOT / "app" / "protocol.py").exists()
+    graph, _ = import_graph()
+    inside = [m for m in graph if m.startswith("app.protocols.textenv")]
+    outside = {m: sorted(n for n in names if n.startswith("app.protocols.textenv.") and n.count(".") > 2)
+               for m, names in graph.items() if m not in inside and not m.startswith("app.protocols")}
+    assert {m: n for m, n in outside.items() if n} == {}
+
+
+def test_the_page_leaves_memory_admission_to_serving():
+    """The page holds a job's place through Service.chat_slot / job_slot: it never calls the store's turn_slot or
+    does the admission arithmetic (turn_room, kv_reserve, kv_after) itself."""
+    words = ("turn_slot", "turn_room", "kv_reserve", "kv_after")
+    page = [ROOT / "app.py", *(ROOT / "components").rglob("*.py")]
+    assert [(p.name, w) for p in page for w in words if w in p.read_text()] == []

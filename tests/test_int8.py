@@ -389,7 +389,7 @@ def test_weights_setting(monkeypatch, value, expected):
 def test_int8_real_model_agrees_with_float32_on_the_system_prompt(real, request):
     """A guard on the conversion's accuracy: next-token agreement with float32 over the rendered system prompt
     (97.7 % measured with 7-bit parts, 97.8 % with 8-bit ones; one part per token instead of two gave ~93 %)."""
-    from app.protocols.textenv_prompt import default_prompt_template, render_prompt
+    from app.protocols.textenv.prompt import default_prompt_template, render_prompt
     from app.tools.registry import default_tools
 
     int8 = real_int8(request)

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from app.backends.local import LocalBackend
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.engine.engine import Engine
 from app.model.kvcache import GROW_TOKENS, kv_nbytes
 from app.serving.sessions import MB, TURN_TOKENS, SessionStore

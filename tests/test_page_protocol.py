@@ -13,7 +13,7 @@ import gradio as gr
 import pytest
 
 from app.protocols.chat_prompt import default_chat_template
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.serving.sessions import MB, SessionStore
 from app.settings import InputError
 from components.handlers import ChatService

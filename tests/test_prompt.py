@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from app.protocols.textenv_prompt import PromptError, default_prompt_template, fill_examples, render_prompt
+from app.protocols.naming import PromptError
+from app.protocols.textenv.prompt import default_prompt_template, fill_examples, render_prompt
 from app.engine.engine import Engine
-from app.protocol import CALL, RESPONSE, SUBMIT
+from app.protocols.textenv.markers import CALL, RESPONSE, SUBMIT
 from app.settings import InputError
 from app.tools.base import Tool
 from app.tools.registry import default_tools, get_tools, run_tool

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.protocol import ToolCallError, neutralize, parse_tool_call
+from app.episode import Limit, Stop, StopReason
+from app.protocols import make_protocol
+from app.protocols.base import ToolCallError
+from app.protocols.textenv.markers import neutralize, parse_tool_call
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -39,3 +42,19 @@ def test_neutralized_text_holds_no_marker_or_special_token(text):
 def test_neutralize_leaves_ordinary_text_alone():
     text = "a < b and c > d, <b>bold</b>, 3<4"
     assert neutralize(text, SPECIALS) == text
+
+
+@pytest.mark.parametrize("protocol, stop, ends", [
+    ("textenv", Stop(StopReason.STRING_MATCH, string="<submit>"), True),
+    ("textenv", Stop(StopReason.EOS), True),
+    ("textenv", Stop(StopReason.STRING_MATCH, string="<call>"), False),
+    ("textenv", Stop(StopReason.STRING_MATCH, string="\nQ:"), False),
+    ("chat", Stop(StopReason.EOS), True),
+    ("chat", Stop(StopReason.STRING_MATCH, string="</tool_call>"), False),
+    ("chat", Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_NEW_TOKENS), False),
+    ("chat", Stop(StopReason.REPETITION), False),
+    ("chat", None, False),
+])
+def test_the_protocol_says_which_stops_end_an_answer(tokenizer, protocol, stop, ends):
+    """What the page's status line asks (Episode.answered), never a protocol's markers."""
+    assert make_protocol(protocol, tokenizer, SPECIALS).ends_answer(stop) is ends

@@ -30,11 +30,11 @@ from app.backends.server import ServerBackend
 from app.backends.server_client import ModelServer
 from app.decoding.stops import Limit, StopReason
 from app.engine.comparisons import compare
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.engine.engine import Engine
 from app.episode import SegmentFinished, TextDelta
 from app.episode import Provenance
-from app.protocol import CALL, CUT_STOPS, STOP_STRINGS
+from app.protocols.textenv.markers import CALL, CUT_STOPS, STOP_STRINGS
 from app.serving.sessions import SessionStore
 from app.settings import Settings
 from components.compare import compare_markdown
@@ -83,7 +83,7 @@ def assert_stop_recorded(backend, session, segment, settings: Settings) -> None:
     the session's ids agree: a check for every way, each of which fails the test if its record is wrong."""
     stop, ids = segment.stop, session.cache.ids[segment.start:segment.end]
     assert segment.generated_tokens <= settings.max_new_tokens
-    if stop.reason is StopReason.STRING_MATCH:  # <submit>, or another of app.protocol.STOP_STRINGS
+    if stop.reason is StopReason.STRING_MATCH:  # <submit>, or another of textenv's STOP_STRINGS
         assert stop.string in STOP_STRINGS and stop.limit is None
         if stop.string in CUT_STOPS:  # not part of the answer: its tokens left the ids
             assert stop.string not in text_of(backend, ids) and segment.generated_tokens > len(ids)

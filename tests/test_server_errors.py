@@ -18,7 +18,8 @@ from app.decoding.stops import StopReason
 from app.engine.engine import Engine
 from app.episode import TextDelta
 from app.episode import Provenance
-from app.protocol import SUBMIT, encode
+from app.protocols.textenv.markers import SUBMIT
+from app.protocols.base import encode
 from app.settings import Settings
 from tests.http_peers import serve
 

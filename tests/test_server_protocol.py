@@ -15,7 +15,8 @@ from app.decoding.stops import Stop, StopReason
 from app.engine.comparisons import Comparison
 from app.engine.engine import Engine
 from app.episode import Episode, Provenance, Segment
-from app.protocol import CALL, STOP_STRINGS, encode
+from app.protocols.textenv.markers import CALL, STOP_STRINGS
+from app.protocols.base import encode
 from app.settings import Settings
 from components.chat import segment_footer
 from components.compare import compare_markdown

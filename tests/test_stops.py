@@ -12,7 +12,7 @@ from app.backends.local import LocalBackend
 from app.decoding.stops import Holdback, Limit, StopReason, tokens_before
 from app.engine.engine import Engine
 from app.episode import EpisodeFinished, TextDelta
-from app.protocol import encode
+from app.protocols.base import encode
 from app.settings import InputError, Settings
 from tests.conftest import ForcedModel, forced, plan_text, prime, writing
 

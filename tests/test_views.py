@@ -14,7 +14,7 @@ from gradio.utils import get_upload_folder
 
 from app.decoding.stops import Stop, StopReason
 from app.engine.comparisons import Comparison, GuideComparison
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.engine.rewards import builtin_questions, exact_match
 from app.episode import Episode, Provenance, Segment
 from app.settings import MAX_QUESTION_CHARS, InputError

@@ -87,6 +87,10 @@ class Backend(Protocol):
     def prefill(self, cache: TokenCache) -> None:
         """Compute a shared system prompt's keys/values once, where this process holds them."""
 
+    def prefill_rest(self, cache: TokenCache) -> None:
+        """Compute the keys/values of `cache`'s uncached ids (a group's question, app.engine.groups) before it is
+        forked, where this process holds them; a model server caches the prefix itself (nothing to do)."""
+
     def turn_scope(self) -> AbstractContextManager[None]:
         """Brackets one turn, from its question to its answer (tool runs included): in process, the model's next
         step waits a moment for a turn that is about to ask for a pass, so turns that start together prefill

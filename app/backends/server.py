@@ -33,7 +33,7 @@ from app.decoding.guide_matcher import GuideError, GuideVocab, replay
 from app.episode import Limit, Provenance, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import load_tokenizer, special_token_texts
-from app.protocol import encode
+from app.protocols.base import encode
 
 if TYPE_CHECKING:
     import torch
@@ -254,6 +254,9 @@ class ServerBackend:
             self._warmed[key] = None
             while len(self._warmed) > self.WARMED_PROMPTS:
                 self._warmed.popitem(last=False)
+
+    def prefill_rest(self, cache: TokenCache) -> None:
+        """Nothing: the server's prefix cache keeps a group's question after its first request."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     run: SegmentRun, generator: torch.Generator) -> Iterator[str]:

@@ -63,7 +63,7 @@ class GuideVocab:
         return compiled.deep_copy()
 
     def as_text(self, tokens: list[int]) -> list[int]:
-        """`tokens` as untrusted text is tokenized (app.protocol.encode): the same text, where a special token's
+        """`tokens` as untrusted text is tokenized (app.protocols.base.encode): the same text, where a special token's
         text in it (a tool's `<tool_call>` that llguidance's tokenizer matched as the special token) stays text."""
         if not any(self.tokenizer.is_special_token(t) for t in tokens):
             return tokens  # (llguidance's tokenizer is the model's own: the same ids as encode)

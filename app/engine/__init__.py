@@ -2,7 +2,8 @@
 out). Its face: Engine, Session, the comparisons, the prompt template and the rewards."""
 
 from app.engine.comparisons import Comparison, GuideComparison, compare, compare_guide, forced_tokens, steered_tokens
-from app.protocols.textenv_prompt import PromptError, default_prompt_template
+from app.protocols.naming import PromptError
+from app.protocols.textenv import default_prompt_template
 from app.engine.rewards import builtin_questions, exact_match
 from app.engine.session import Session
 from app.engine.engine import Engine

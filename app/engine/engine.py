@@ -189,6 +189,7 @@ class Engine:
             episode.ms = (time.perf_counter() - started) * 1000
             episode.total_tokens = len(cache)
             episode.token_ids = cache.ids[episode.query_start:]
+            episode.answered = self.protocol.ends_answer(episode.stop)
             episode.finished = True
         yield EpisodeFinished(row, episode)
 

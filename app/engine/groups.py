@@ -33,9 +33,8 @@ def open_group(engine: Engine, question: str, size: int, settings: Settings, see
     first = engine.new_session(use_cache=settings.use_cache, seed=seed)
     query = engine.query_ids(first, question, settings)
     first.cache.extend(query)
-    prefill = getattr(engine.backend, "prefill_rest", None)  # (a model server caches the prefix itself)
-    if settings.use_cache and prefill is not None:
-        prefill(first.cache)
+    if settings.use_cache:
+        engine.backend.prefill_rest(first.cache)
     sessions = []
     for j in range(size):
         session = Session(first.cache.fork(), first.prompt_tokens, seed=seed + j)

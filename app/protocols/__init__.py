@@ -7,8 +7,8 @@ from __future__ import annotations
 from app.protocols.base import Protocol, ToolCall, ToolCallError
 from app.protocols.chat import ChatProtocol, chat_template_for
 from app.protocols.chat_template import TemplateError, renders_tools
+from app.protocols.naming import PromptError
 from app.protocols.textenv import TextEnvProtocol
-from app.protocols.textenv_prompt import PromptError
 
 from app.settings import PROTOCOLS  # noqa: E402  (auto, textenv, chat)
 

@@ -9,10 +9,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
+
 from app.decoding.guide import Guide
-from app.episode import Segment
-from app.protocol import ToolCall, ToolCallError  # (a call, and a malformed one: every protocol's)
+from app.episode import Segment, Stop, StopReason
 from app.tools.base import Tool
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model asked for: the tool's name and its one argument."""
+
+    name: str
+    query: str
+
+
+class ToolCallError(ValueError):
+    """A call the model wrote but that cannot run (no well-formed request, bad JSON, an unknown tool or argument):
+    the model reads this message."""
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Untrusted text's ids, as every protocol tokenizes it: no BOS, special-token texts kept as text."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 class Protocol(ABC):
@@ -22,6 +41,7 @@ class Protocol(ABC):
     stop_strings: tuple[str, ...]  # where a model segment stops (with EOS and the length limits)
     cut_stops: frozenset[str] = frozenset()  # stop strings dropped from the segment's tokens (not part of it)
     answer_ends_at_eos: bool = True  # a finished answer's last token is EOS (textenv's is its `<submit>` marker)
+    answer_stops: tuple[str, ...] = ()  # stop strings that end an answer, as EOS does (textenv's `<submit>`)
     # the protocol's markers that the tokenizer has as special tokens (Qwen's `<tool_call>`): a segment's text
     # shows them (app.decoding.stops.segment_text), as it leaves out every other special token
     marker_ids: frozenset[int] = frozenset()
@@ -32,8 +52,8 @@ class Protocol(ABC):
 
     @abstractmethod
     def render_prompt(self, template: str, tools: Mapping[str, Tool]) -> str:
-        """The system prompt the model reads, examples filled in by the tools (app.engine.prompt's rules); raises
-        app.engine.prompt.PromptError where an example's tool rejects it."""
+        """The system prompt the model reads, examples filled in by the tools; raises
+        app.protocols.naming.PromptError where an example's tool rejects it."""
 
     @abstractmethod
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -63,6 +83,10 @@ class Protocol(ABC):
               calls: bool) -> Guide:
         """A model segment's guide: the claimed call (written by the engine), else what the model may write after
         the question or after `after`, a tool segment; `calls`: whether another call may run (max_turns)."""
+
+    def ends_answer(self, stop: Stop | None) -> bool:
+        """Whether the model ended its answer itself (EOS, or one of `answer_stops`), not a limit or Stop."""
+        return stop is not None and (stop.reason is StopReason.EOS or stop.string in self.answer_stops)
 
     @abstractmethod
     def call_text(self, call: ToolCall, tools: Mapping[str, Tool]) -> str:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from app.decoding.guide import NUMBER, Guide, literal, owed_text
+from app.decoding.guide import ANSWER_PREFIX, NUMBER, TEXT_RULE, Guide, literal, owed_text
 from app.episode import Segment
 from app.protocols.chat_prompt import tool_schema
 from app.protocols.chat_template import CallSyntax
 from app.tools.base import Tool
 from app.tools.registry import find_tool
 
-ANSWER_PREFIX = "Result = "
-_RULES = 'text ::= ([^\\n<] | "<" [ 0-9=])*\n'
 
 
 def call_rule(index: int, tool: Tool) -> list[str]:
@@ -44,12 +42,12 @@ def chat_guide(tools: Mapping[str, Tool], syntax: CallSyntax, after: Segment | N
     if owed is None:
         lines.append('answer ::= [^\\n< {[] text')  # (not `{` or `[`: a call's JSON outside its tags)
     elif NUMBER.fullmatch(owed):  # no more of the number after it ("943" is not "9431" or "943.5")
-        lines.append(f"answer ::= {literal(ANSWER_PREFIX + owed)} ([^0-9.,eE\\n<] text | [.,] ([^0-9\\n<] text)?)?")
+        lines.append(f"answer ::= {literal(f'{ANSWER_PREFIX} {owed}')} ([^0-9.,eE\\n<] text | [.,] ([^0-9\\n<] text)?)?")
     else:
-        lines.append(f"answer ::= {literal(ANSWER_PREFIX + owed)} text")
+        lines.append(f"answer ::= {literal(f'{ANSWER_PREFIX} {owed}')} text")
     if typed:
         alternatives = " | ".join(f"tool{i}" for i in range(len(typed)))
         lines.append(f"call ::= {literal(syntax.opening)} ({alternatives}) {literal(syntax.between + syntax.tag)}")
         for i, tool in enumerate(typed):
             lines += call_rule(i, tool)
-    return Guide("\n".join(lines) + "\n" + _RULES)
+    return Guide("\n".join(lines) + "\n" + TEXT_RULE + "\n")

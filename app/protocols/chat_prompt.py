@@ -2,7 +2,7 @@
 (assets/chat_prompt.txt) and rendered as chat messages by the chat template, tools listed.
 
 The template's first paragraph is the system message (`{abilities}` and `{actions}` named as in the textenv prompt,
-app.protocols.textenv_prompt); each later paragraph is an example: `Q: question`, then either `A: answer` or
+app.protocols.naming); each later paragraph is an example: `Q: question`, then either `A: answer` or
 `> tool: argument`, a call whose result the tool itself gives and whose answer, `Result = ...`, is copied from it:
 
     Q: What is 13 * 7?
@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 from app.paths import ASSETS
-from app.protocols.textenv_prompt import PromptError, name_tools
+from app.decoding.guide import ANSWER_PREFIX
+from app.protocols.naming import PromptError, name_tools
 from app.tools.base import Tool
 from app.tools.registry import run_tool
 
@@ -76,7 +77,7 @@ def example_messages(block: str, tools: Mapping[str, Tool], neutralize: Callable
             {"role": "assistant", "tool_calls": [{"type": "function",
                                                   "function": {"name": schema["name"], "arguments": arguments}}]},
             {"role": "tool", "name": schema["name"], "content": output},
-            {"role": "assistant", "content": f"Result = {tool.answer(output)}"}]
+            {"role": "assistant", "content": f"{ANSWER_PREFIX} {tool.answer(output)}"}]
 
 
 def chat_messages(template: str, tools: Mapping[str, Tool], neutralize: Callable[[str], str]) -> list[dict]:

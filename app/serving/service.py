@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from app.backends.base import Backend, BackendStats
 from app.backends.select import load_backend
@@ -148,6 +149,18 @@ class Service:
         for engine in engines:
             engine.release_prompts(read)
         return before - self.shared_kv_bytes()
+
+    def chat_slot(self, session: Session, use_cache: bool,
+                  cancel: threading.Event | None = None) -> AbstractContextManager[None]:
+        """A chat turn's place under the KV budget (SessionStore.turn_slot), for a session the store holds: its
+        cache's growth is counted as it fills (turn_room)."""
+        return self.store.turn_slot(self.shared_kv_bytes, cancel, **self.turn_room(session, use_cache))
+
+    def job_slot(self, session: Session, cancel: threading.Event | None = None, *, use_cache: bool = True,
+                 rows: int = 1) -> AbstractContextManager[None]:
+        """A model job's place under the KV budget, for `rows` sessions like `session` that the store does not hold
+        (an `/ask`, a batch's rows, Compare's runs): their whole growth reserved (kv_reserve)."""
+        return self.store.turn_slot(self.shared_kv_bytes, cancel, reserve=self.kv_reserve(session, use_cache, rows))
 
     def turn_room(self, session: Session, use_cache: bool) -> dict:
         """SessionStore.turn_slot's room for a turn of a session the store holds: with the cache on, what its cache

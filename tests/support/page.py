@@ -12,7 +12,7 @@ import pytest
 
 from app.decoding.guide_matcher import GuideVocab
 from app.decoding.stops import Stop, StopReason
-from app.protocols.textenv_prompt import default_prompt_template
+from app.protocols.textenv.prompt import default_prompt_template
 from app.episode import Episode, Segment
 from app.serving.sessions import MB, SessionStore
 from components.handlers import ChatService

@@ -1,4 +1,4 @@
-"""The few-shot system prompt: a template whose tool list and example answers come from the tools themselves.
+"""textenv's few-shot system prompt: a template whose tool list and example answers come from the tools themselves.
 
 A template may leave an example's tool output out: a line that ends right after `<call>`,
 
@@ -23,17 +23,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from app.decoding.guide import ANSWER_PREFIX
 from app.paths import ASSETS
-from app.protocol import CALL, REQUEST, RESPONSE, SUBMIT, neutralize
+from app.protocols.naming import PromptError, name_tools
+from app.protocols.textenv.markers import CALL, REQUEST, RESPONSE, SUBMIT, neutralize
 from app.tools.base import Tool
 from app.tools.registry import find_tool, run_tool
 
 # `<request><Tool>query<call>` closing its line: the output is to be filled in.
 _OPEN_CALL = re.compile(rf"^{re.escape(REQUEST)}<([^<>\n]{{1,64}})>([^\n]*?){re.escape(CALL)}[ \t]*$", re.MULTILINE)
-
-
-class PromptError(ValueError):
-    """A template's example cannot be filled in (its tool rejected the query)."""
 
 
 def default_prompt_template() -> str:
@@ -50,22 +48,6 @@ def render_prompt(template: str, tools: Mapping[str, Tool]) -> str:
     return text.rstrip("\n") + "\n\n" if text.strip() else text  # the first question starts on its own line
 
 
-def name_tools(block: str, tools: Mapping[str, Tool]) -> str:
-    """A paragraph with `{abilities}` and `{actions}` naming the session's tools (a tool without its own words by
-    its name: a greeting that leaves out a tool `{tools}` lists would contradict the listing)."""
-    abilities = [t.ability or t.name for t in tools.values()]
-    actions = [t.action or f"use {t.name}" for t in tools.values()]
-    return (block.replace("{abilities}", listed(abilities, "and", "no tools"))
-            .replace("{actions}", listed(actions, "or", "help with")))
-
-
-def listed(words: list[str], joint: str, none: str) -> str:
-    """`a, b and c` (joint "and"); `none` for no words."""
-    if len(words) < 2:
-        return words[0] if words else none
-    return f"{', '.join(words[:-1])} {joint} {words[-1]}"
-
-
 def fill_examples(block: str, tools: Mapping[str, Tool]) -> str | None:
     """One paragraph of a template with its open tool calls answered; None when it calls a tool not in `tools`."""
     pieces, last = [], 0
@@ -77,6 +59,7 @@ def fill_examples(block: str, tools: Mapping[str, Tool]) -> str | None:
         if not result.ok:
             raise PromptError(f"the prompt's example {call[0].strip()} failed: {result.text}")
         output = neutralize(result.text)  # as in a session: tool output cannot forge a marker
-        pieces += [block[last:call.end()].rstrip(" \t"), output, RESPONSE, f"\nResult = {tool.answer(output)}{SUBMIT}"]
+        answer = f"\n{ANSWER_PREFIX} {tool.answer(output)}{SUBMIT}"
+        pieces += [block[last:call.end()].rstrip(" \t"), output, RESPONSE, answer]
         last = call.end()
     return "".join(pieces) + block[last:]

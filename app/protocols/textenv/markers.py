@@ -1,4 +1,4 @@
-"""The text protocol between model and tools (from TRL's TextEnvironment), and keeping untrusted text out of it.
+"""textenv's markers (from TRL's TextEnvironment), its call parser, and keeping untrusted text out of it.
 
 The model writes `<request><ToolName>query<call>`; generation stops at `<call>`, the tool's output plus
 `<response>` is appended, and generation resumes until `<submit>`, EOS or the length budget.
@@ -7,11 +7,11 @@ The model writes `<request><ToolName>query<call>`; generation stops at `<call>`,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from app.protocols.base import ToolCall, ToolCallError
 
 REQUEST, CALL, RESPONSE, SUBMIT = "<request>", "<call>", "<response>", "<submit>"
-ANSWER_PREFIX = "Result ="  # opens the final answer's line, which <submit> ends (app.decoding.guide)
-QUESTION_PREFIX = "Q: "  # opens a question's line, in the prompt's examples and in each turn (app.engine)
+QUESTION_PREFIX = "Q: "  # opens a question's line, in the prompt's examples and in each turn
 NEXT_QUESTION = "\nQ:"  # the model writing the few-shot format's next example: its answer is over
 # RESPONSE is the tools' marker, never the model's: a model that writes it (`<request><Calculator>1 + 2<response>`,
 # where `<call>` belongs) stops there, and does not go on to invent the tool's output.
@@ -23,16 +23,6 @@ CUT_STOPS = frozenset({NEXT_QUESTION, RESPONSE})
 # Markers in any spacing or case: `< call >`, `</submit>`, `<CALL>`.
 _MARKER = re.compile(r"<\s*/?\s*(request|call|response|submit)\s*>", re.IGNORECASE)
 _TOOL_CALL = re.compile(r"\s*<([^<>\n]{1,64})>(.*)\Z", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    query: str
-
-
-class ToolCallError(ValueError):
-    """The segment ended in `<call>` but holds no well-formed request; the model reads this message."""
 
 
 def parse_tool_call(segment_text: str) -> ToolCall:
@@ -73,7 +63,3 @@ def neutralize(text: str, special_tokens: list[str] | tuple[str, ...] = ()) -> s
             text = text.replace(special, special.replace("<", "‹").replace(">", "›"))
     return text
 
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Tokenize text the way every piece of a session is tokenized: no BOS, special-token texts kept as text."""
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]

@@ -1,27 +1,28 @@
 """TRL's TextEnvironment protocol behind the Protocol interface: `<request><Tool>query<call>`, the tool's output plus
-`<response>`, the answer `Result = ...<submit>`, taught by the few-shot prompt (assets/system_prompt.txt). Its
-markers, call parser and neutralize live in app.protocol, its grammar in app.decoding.guide."""
+`<response>`, the answer `Result = ...<submit>`, taught by the few-shot prompt (assets/system_prompt.txt)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from app.decoding.guide import Guide, claimed_guide, segment_guide
+from app.decoding.guide import Guide, claimed_guide
 from app.episode import Segment
-from app.protocol import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, STOP_STRINGS, SUBMIT, calls_tool,
-                          encode, neutralize, parse_tool_call)
-from app.protocols.base import Protocol, ToolCall, ToolCallError, special_marker_ids
-from app.protocols.textenv_prompt import default_prompt_template, render_prompt
+from app.protocols.base import Protocol, ToolCall, ToolCallError, encode, special_marker_ids
+from app.protocols.textenv.grammar import segment_guide
+from app.protocols.textenv.markers import (CALL, CUT_STOPS, QUESTION_PREFIX, REQUEST, RESPONSE, STOP_STRINGS, SUBMIT,
+                                           calls_tool, neutralize, parse_tool_call)
+from app.protocols.textenv.prompt import default_prompt_template, render_prompt
 from app.tools.base import Tool
 
 
 class TextEnvProtocol(Protocol):
-    """Every piece is plain text, tokenized with special-token texts kept as text (app.protocol.encode)."""
+    """Every piece is plain text, tokenized with special-token texts kept as text (app.protocols.base.encode)."""
 
     name = "textenv"
     stop_strings = STOP_STRINGS
     cut_stops = CUT_STOPS
     answer_ends_at_eos = False  # (an answer ends at `<submit>`)
+    answer_stops = (SUBMIT,)
 
     def __init__(self, tokenizer, special_token_texts: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
