@@ -234,29 +234,30 @@ class Episode:
         }
 
 
-# Events, in the order a turn yields them.
+# Events, in the order a turn yields them. `row`: the turn's place among many run at once (app.engine.rows), set
+# by that runner; 0 for a turn alone.
 @dataclass(frozen=True)
 class SegmentStarted:
-    row: int
     kind: Literal["model", "tool"]
+    row: int = 0
 
 
 @dataclass(frozen=True)
 class TextDelta:
-    row: int
     text: str
+    row: int = 0
 
 
 @dataclass(frozen=True)
 class SegmentFinished:
-    row: int
     segment: Segment
+    row: int = 0
 
 
 @dataclass(frozen=True)
 class EpisodeFinished:
-    row: int
     episode: Episode
+    row: int = 0
 
 
 Event = SegmentStarted | TextDelta | SegmentFinished | EpisodeFinished

@@ -14,7 +14,6 @@ Every token the guide decides is recorded as such (app.episode.Provenance) and s
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the Calculator's output (app.tools.numbers.format_number)

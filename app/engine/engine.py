@@ -8,15 +8,12 @@ the model in this process, or a model server; the engine keeps the turn loop, th
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack, closing
+from contextlib import AbstractContextManager, closing
 from dataclasses import replace
 from itertools import count
 from typing import Generator
@@ -26,6 +23,7 @@ from transformers import DynamicCache
 from app.backends.base import Backend, SegmentRun
 from app.decoding.guide import Guide
 from app.decoding.stops import Holdback, segment_text, tokens_before
+from app.engine.rows import Row, stream_rows
 from app.engine.session import Session
 from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished, SegmentStarted,
                          Stop, StopReason, TextDelta)
@@ -35,7 +33,6 @@ from app.settings import InputError, Settings, clean_question, require_utf8
 from app.tools.base import Tool
 from app.tools.registry import default_tools, run_tool
 
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -132,15 +129,16 @@ class Engine:
 
     # ---- one turn -------------------------------------------------------------------------------------------
     def turn(self, session: Session, question: str, settings: Settings | None = None,
-             cancel: threading.Event | None = None, row: int = 0,
-             scope: AbstractContextManager[None] | None = None) -> Iterator[Event]:
+             cancel: threading.Event | None = None, scope: AbstractContextManager[None] | None = None,
+             asked: int = 0) -> Iterator[Event]:
         """Answer one question in a session, yielding events; the last one is EpisodeFinished. `scope`: the
-        backend's turn scope, when the caller entered it ahead of the turn (a batch's rows)."""
+        backend's turn scope, when the caller entered it ahead of the turn (many rows: app.engine.rows); `asked`:
+        how many of the session's last ids are this question's already (a group's fork: app.engine.groups)."""
         settings = (settings or Settings()).validated(self.context_limit)
         question = clean_question(question)
         # (a turn waiting for its session's lock is not in scope)
         with session.lock, scope if scope is not None else self.backend.turn_scope():
-            yield from self._turn(session, question, settings, cancel, row)
+            yield from self._turn(session, question, settings, cancel, asked)
 
     def query_ids(self, session: Session, question: str, settings: Settings) -> list[int]:
         """The tokens a turn adds for its (clean) question; InputError when they leave no room under max_length
@@ -155,9 +153,8 @@ class Engine:
                              f"no room under max_length={settings.max_length}; {advice}")
         return query_ids
 
-    def _turn(self, session, question, settings, cancel, row) -> Iterator[Event]:
+    def _turn(self, session, question, settings, cancel, asked) -> Iterator[Event]:
         cache = session.cache
-        asked, session.asked = session.asked, 0  # a group's fork holds its question already (app.engine.groups)
         query_ids = [] if asked else self.query_ids(session, question, settings)
         episode = Episode(question, len(cache) - asked, len(cache) + len(query_ids), settings.use_cache,
                           self.backend.name, guide=settings.guide)
@@ -172,7 +169,7 @@ class Engine:
             after: Segment | None = None  # the tool segment this model segment follows
             for calls in count():  # (model segments that called tools: max_turns bounds them)
                 guide = self.guide(settings, claimed if calls == 0 else None, after, calls < settings.max_turns)
-                segment = yield from self._model_segment(session, episode, settings, cancel, row, guide)
+                segment = yield from self._model_segment(session, episode, settings, cancel, guide)
                 requested = self.protocol.calls(segment, cache.ids[segment.start:segment.end], self.tools)
                 if not requested:
                     break
@@ -182,7 +179,7 @@ class Engine:
                 if cancel is None or not cancel.is_set():  # Stop during the step that wrote the call: no tool
                     for index, call in enumerate(requested):  # (several calls in one segment: in order)
                         yield from self._tool_segment(session, episode, segment, call, index, len(requested),
-                                                      settings, row)
+                                                      settings)
                     after = episode.segments[-1]
                 # (when cancelled, the next model segment records the stop with zero tokens and the turn ends)
         finally:
@@ -191,7 +188,7 @@ class Engine:
             episode.token_ids = cache.ids[episode.query_start:]
             episode.answered = self.protocol.ends_answer(episode.stop)
             episode.finished = True
-        yield EpisodeFinished(row, episode)
+        yield EpisodeFinished(episode)
 
     def _reuse_prompt(self, cache: TokenCache) -> None:
         with self._prompt_lock:
@@ -229,14 +226,13 @@ class Engine:
             return self.backend.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
-                       cancel: threading.Event | None, row: int,
-                       guide: Guide | None = None) -> Generator[Event, None, Segment]:
+                       cancel: threading.Event | None, guide: Guide | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
         run = SegmentRun(stop_strings=self.protocol.stop_strings, shown=self.protocol.marker_ids,
                          grammar=guide.grammar if guide else None,
                          provenance=[] if guide else None, logprobs=[] if settings.logprobs else None)
-        yield SegmentStarted(row, "model")
+        yield SegmentStarted("model")
         try:
             if len(cache) >= settings.max_length:
                 run.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
@@ -249,7 +245,7 @@ class Engine:
                     if run.logprobs is not None:
                         run.logprobs += [0.0] * len(opening)
                     if shown := stream.push(guide.opening):
-                        yield TextDelta(row, shown)
+                        yield TextDelta(shown)
                     ending = next((s for s in self.protocol.stop_strings if guide.opening.endswith(s)), None)
                     if ending is not None:  # the whole reply: generation stops at this stop string
                         run.stop = Stop(StopReason.STRING_MATCH, string=ending)
@@ -258,12 +254,12 @@ class Engine:
                     with closing(self.backend.run_segment(cache, settings, cancel, run, session.generator)) as deltas:
                         for delta in deltas:
                             if shown := stream.push(delta):
-                                yield TextDelta(row, shown)
+                                yield TextDelta(shown)
                 end = None
                 if run.stop is not None and run.stop.string in self.protocol.cut_stops:  # not part of the answer
                     end = self._cut(cache, start, run.stop.string)
                 if rest := stream.close(end):
-                    yield TextDelta(row, rest)
+                    yield TextDelta(rest)
         finally:
             segment = Segment("model", self._segment_text(cache.ids[start:]), start, len(cache),
                               stop=run.stop or Stop(StopReason.CANCELLED), prefill_tokens=run.prefill_tokens,
@@ -272,7 +268,7 @@ class Engine:
                               provenance=None if run.provenance is None else run.provenance[: len(cache) - start],
                               logprobs=None if run.logprobs is None else run.logprobs[: len(cache) - start])
             episode.segments.append(segment)
-        yield SegmentFinished(row, segment)
+        yield SegmentFinished(segment)
         return segment
 
     def _cut(self, cache: TokenCache, start: int, string: str) -> int:
@@ -288,11 +284,11 @@ class Engine:
         return kept
 
     def _tool_segment(self, session: Session, episode: Episode, call_segment: Segment, call: ToolCall | ToolCallError,
-                      index: int, count: int, settings: Settings, row: int) -> Iterator[Event]:
+                      index: int, count: int, settings: Settings) -> Iterator[Event]:
         """Run call `index` of the `count` that `call_segment` asks for (or say what is wrong with it) and append
         its result as the protocol writes it."""
         began = time.perf_counter()
-        yield SegmentStarted(row, "tool")
+        yield SegmentStarted("tool")
         cache = session.cache
         with self.backend.lock:
             if isinstance(call, ToolCallError):
@@ -314,7 +310,7 @@ class Engine:
         segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok, ran=ran,
                           result=text, ms=(time.perf_counter() - began) * 1000)
         episode.segments.append(segment)
-        yield SegmentFinished(row, segment)
+        yield SegmentFinished(segment)
 
     # ---- convenience ----------------------------------------------------------------------------------------
     def ask(self, session: Session, question: str, settings: Settings | None = None,
@@ -324,55 +320,19 @@ class Engine:
 
     def stream_batch(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
                      cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Several questions, each in its own new session from the shared prompt cache, all at once: their
-        segments share the backend's batched steps. Events carry the row and arrive interleaved (in_row_order
-        sorts them). A row whose model fails ends with its episode's `error` set; the other rows go on."""
+        """Several questions, each in its own new session from the shared prompt cache, all at once
+        (app.engine.rows): their segments share the backend's batched steps. Events carry the row and arrive
+        interleaved (in_row_order sorts them). A row whose model fails ends with its episode's `error` set; the
+        other rows go on."""
         settings = (settings or Settings()).validated(self.context_limit)
         for question in questions:
             clean_question(question)
-        stop = cancel if cancel is not None else threading.Event()
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        workers = max(1, min(len(questions), self.backend.parallel))
-        # The first rows' turn scopes open before any row starts, so the backend waits for all of their questions
-        # and prefills them in one step (opened by each row's thread, the first question would take a step alone).
-        scopes = [ExitStack() for _ in range(workers)]  # (`with` one is a no-op on entry and leaves the scope on exit)
-        for scope in scopes:
-            scope.enter_context(self.backend.turn_scope())
 
-        def answer(row: int, question: str) -> None:
-            session = None
-            scope = scopes[row] if row < workers else None
-            try:
-                if stop.is_set():
-                    return
-                session = self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + row)
-                for event in self.turn(session, question, settings, stop, row, scope):
-                    events.put(event)
-            except Exception as error:
-                if session is None or not session.episodes:  # nothing ran: the whole batch is wrong
-                    events.put(error)
-                    return
-                log.exception("batch row %d failed", row)  # (its episode shows the message; the log, why)
-                episode = session.episodes[-1]
-                episode.error = str(error)
-                events.put(EpisodeFinished(row, episode))
-            finally:
-                if scope is not None:
-                    scope.close()  # (the turn closed it, unless it never ran)
-                events.put(row)  # this row is done
+        def row(i: int, question: str) -> Row:
+            return Row(lambda: self.new_session(prompt, use_cache=settings.use_cache, seed=settings.seed + i),
+                       question, settings)
 
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batch-row") as pool:
-            try:
-                for row, question in enumerate(questions):
-                    pool.submit(answer, row, question)
-                for _ in questions:
-                    while not isinstance(item := events.get(), int):
-                        if isinstance(item, Exception):
-                            raise item
-                        yield item
-            except BaseException:  # a bad row, or the consumer closed the stream: the others stop at their next step
-                stop.set()
-                raise
+        return stream_rows(self, [row(i, q) for i, q in enumerate(questions)], cancel)
 
     def run(self, questions: list[str], settings: Settings | None = None, prompt: str | None = None,
             reward_fn: Callable[[int, Episode], float] | None = None, guide: bool | None = None) -> list[Episode]:

@@ -19,7 +19,6 @@ class Session:
         self.episodes: list[Episode] = []
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
-        self.asked = 0  # the next turn's question tokens already in the cache (a group's fork: app.engine.groups)
 
     def fork(self, kv: bool = True, turns: int | None = None) -> "Session":
         """An independent copy (tokens, history so far, and the cache unless kv=False), e.g. to run one question
