@@ -383,10 +383,10 @@ def test_a_batch_row_whose_model_fails_is_logged_shown_and_not_scored(tiny_llama
     engine = Engine(LocalBackend(dataclasses.replace(tiny_llama.loaded, model=model)), prompt=PROMPT)
     engine.new_session()  # (the prompt prefilled before the model fails)
     model.fail_at = model.calls + 2
-    with caplog.at_level("ERROR", logger="app.engine.engine"):
+    with caplog.at_level("ERROR", logger="app.engine.rows"):
         (episode,) = engine.run(["What is 2 + 2?"], Settings(guide=False, max_new_tokens=6))
     assert episode.error == "out of memory (simulated)"
-    assert any("batch row 0 failed" in r.message and r.exc_info for r in caplog.records)
+    assert any("row 0 failed" in r.message and r.exc_info for r in caplog.records)
     items = [Item("What is 2 + 2?", "4")]
     assert rewards([episode], items) == [None] and accuracy([None]) is None
     assert "error: out of memory (simulated)" in batch_frame([episode], items).loc[0, "answer"]

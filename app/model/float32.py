@@ -138,7 +138,11 @@ def plain_copy(model: nn.Module) -> nn.Module:
 
 
 def use_packed(model: nn.Module) -> bool:
-    """Pack `model`'s float32 linear layers where oneDNN is here and faster (logged either way); whether it did."""
+    """Pack `model`'s float32 linear layers where oneDNN is here and faster (logged either way); whether its layers
+    multiply on oneDNN (a copy of a packed model does, whatever this CPU's timing)."""
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        log.info("float32 matmuls: oneDNN on weights packed already (a copy of a packed model)")
+        return True
     if not available():
         log.info("float32 matmuls: torch's (oneDNN's packed linear is not in this torch, or TEXTENV_ONEDNN=0)")
         return False
@@ -146,6 +150,6 @@ def use_packed(model: nn.Module) -> bool:
         log.info("float32 matmuls: torch's (oneDNN's packed linear is not clearly faster on this CPU)")
         return False
     to_packed(model)
-    layers = sum(isinstance(m, PackedLinear) for m in model.modules())  # (a copy of a packed model: packed already)
+    layers = sum(isinstance(m, PackedLinear) for m in model.modules())
     log.info("float32 matmuls: oneDNN on weights packed at load (%d layers; faster than torch's here)", layers)
     return True
