@@ -56,11 +56,17 @@ MARKERS = ["<tool_call>", "</tool_call>", "<tool_response>", "<request>", "<call
            "\nQ:", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 TEXT = ["Result = 4", "Result = ", "4", "Hello", " ", "\n", "é", "日本", "{", "}", "[", "]", '"', "\\", "< 3", "<=",
         "<Calculator>", "Q: what?"]
-ENDS = ["<|im_end|>", "<|im_end|>", "<submit>", "", " Result = 4<|im_end|>", "\nQ: next"]  # (EOS: more often)
-# A reply: a call (in its tags or not) or an answer, maybe more after it, and how it ends; or a soup of fragments.
-head = st.sampled_from(CALLS + UNTAGGED + TEXT)
-tail = st.lists(st.sampled_from(CALLS + UNTAGGED + MARKERS + TEXT), max_size=2).map("".join)
-reply = st.one_of(st.tuples(head, st.sampled_from(["", ""]) | tail, st.sampled_from(ENDS)).map("".join),
+ENDS = ["<|im_end|>", "<|im_end|>", "<|im_end|>", "<submit>", "", " Result = 4<|im_end|>", "\nQ: next"]  # (EOS: often)
+# A reply, each form as likely: a call in its tags (either protocol's, well-formed or not), a call's JSON without its
+# tags, or an answer, each maybe with more after it and ended as ENDS say; or a soup of every fragment.
+more = st.lists(st.sampled_from(CALLS + UNTAGGED + MARKERS + TEXT), max_size=2).map("".join)
+
+
+def ended(heads: list[str]):
+    return st.tuples(st.sampled_from(heads), st.just("") | more, st.sampled_from(ENDS)).map("".join)
+
+
+reply = st.one_of(ended(CALLS), ended(UNTAGGED), ended(TEXT),
                   st.lists(st.sampled_from(CALLS + UNTAGGED + MARKERS + TEXT + ENDS), min_size=1,
                            max_size=5).map("".join))
 pieces = st.lists(reply, min_size=1, max_size=3).map(tuple)  # the replies after the question and each tool output
@@ -125,7 +131,7 @@ def engines(request, tiny_model):
          room=None, drafts=8, max_turns=1, max_new=48)  # (the bug report's turn: generated scripts come close)
 @given(script=pieces, question=st.sampled_from(QUESTIONS), cache=st.booleans(), echo=st.booleans(),
        room=st.sampled_from([None, None, None, 40, 96]), drafts=st.sampled_from([0, 8]),
-       max_turns=st.sampled_from([1, 1, 2, 0]), max_new=st.sampled_from([48, 48, 16]))
+       max_turns=st.sampled_from([1, 1, 2, 0]), max_new=st.sampled_from([32, 48, 64]))
 def test_no_model_output_crashes_a_turn(engines, counted, script, question, cache, echo, room, drafts, max_turns,
                                         max_new):
     """Each script runs in both protocols, guided and not."""
