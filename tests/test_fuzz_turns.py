@@ -175,3 +175,23 @@ def test_forced_tokens_are_the_guide_s_and_never_a_special_marker(tiny_markers):
         ids = episode.token_ids[segment.start - episode.query_start: segment.end - episode.query_start]
         forced = [t for t, p in zip(ids, segment.provenance) if p is Provenance.FORCED]
         assert forced and not specials & set(forced), segment
+
+
+SWEPT = ['<tool_call>[{"name": "calculator", "arguments": {"expression": "2 + 2"}}]</tool_call>',
+         '{"name": "search", "arguments": {"term": "grok"}}', "<request><Calculator>2 + 2<call>"]
+
+
+@pytest.mark.parametrize("protocol", ["chat", "textenv"])
+def test_eos_at_every_position_of_a_call(tiny_markers, counted, protocol):
+    """A call cut by EOS after each of its tokens (guide on and off): every turn ends with a recorded stop."""
+    tokenizer = tiny_markers.tokenizer
+    backend = writing(tiny_markers, "", marker=MARKER[protocol], specials=True)
+    engine = Engine(backend, prompt=PROMPT, protocol=protocol)
+    for call in SWEPT:
+        ids = tokenizer(call, add_special_tokens=False)["input_ids"]
+        for cut in range(1, len(ids) + 1):
+            backend.model.pieces = (tokenizer.decode(ids[:cut]) + "<|im_end|>", "Result = 4<|im_end|>")
+            for guide in (True, False):
+                episode = engine.ask(engine.new_session(), "Is it raining?", Settings(guide=guide, max_new_tokens=40))
+                assert episode.error is None and all(s.stop is not None for s in episode.model_segments)
+                count(counted, episode)
