@@ -40,7 +40,8 @@ class ApiHandlers:
 
     store: SessionStore
 
-    def _api_settings(self, settings: dict | None) -> tuple[Engine, Settings, str | None]:
+    def api_settings(self, settings: dict | None) -> tuple[Engine, Settings, str | None]:
+        """The engine, the checked settings and the prompt template an API call's `settings` dict asks for."""
         values, tools, prompt = settings_from_dict(settings)
         engine = self.engine_for(tools, values.protocol)
         return engine, values.validated(engine.context_limit, DEFAULTS.max_length), prompt
@@ -52,7 +53,7 @@ class ApiHandlers:
         protocol (auto, the default, textenv or chat),
         tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions})."""
         try:
-            engine, values, prompt = self._api_settings(settings)
+            engine, values, prompt = self.api_settings(settings)
             session = engine.new_session(prompt, use_cache=values.use_cache, seed=values.seed)
             with self.job_slot(session, use_cache=values.use_cache):
                 return engine.ask(session, question, values).to_json()
@@ -79,7 +80,7 @@ class ApiHandlers:
         tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions}). A change of tools or
         prompt starts a new chat."""
         try:
-            engine, values, prompt = self._api_settings(settings)
+            engine, values, prompt = self.api_settings(settings)
             message = clean_question(message)  # before prepare: a rejected message must not start a new chat
             entry = self.store.get(request.session_hash)
             session, change = self.prepare(entry, engine, values, prompt, message)

@@ -55,7 +55,7 @@ class BatchTab:
 
         try:  # (checked before the table is emptied: a rejected batch leaves the last results shown)
             items = parse_batch(text)
-            engine, settings = self._page_settings(page)
+            engine, settings = self.page_settings(page)
             prompt = self._page_prompt(engine, page)
         except Exception as error:  # handler boundary
             yield ended(gr.skip(), gr.skip(), failure_status(error, "batch", request.session_hash), gr.skip())

@@ -59,7 +59,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
 
 
     # ---- page events ----------------------------------------------------------------------------------------
-    def _page_settings(self, page: PageSettings) -> tuple[Engine, Settings]:
+    def page_settings(self, page: PageSettings) -> tuple[Engine, Settings]:
         """The engine for the checked tools and the selected protocol, and the page's settings, checked against its
         model."""
         settings = page.settings()
@@ -140,7 +140,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
             return
         try:
             yield view("running")  # (in the try: a stream closed here still lets go of its message)
-            engine, settings = self._page_settings(page)
+            engine, settings = self.page_settings(page)
             question = clean_question(message)  # before prepare: a rejected message must not start a new chat
             session, change = self.prepare(entry, engine, settings, self._page_prompt(engine, page), question)
             state.chat_changed(change, engine.tools)
@@ -258,7 +258,7 @@ class ChatService(Service, ApiHandlers, BatchTab):
                 if not last:
                     raise InputError("nothing to compare: type a question (or ask one in the chat first)")
                 question = last
-            engine, settings = self._page_settings(page)
+            engine, settings = self.page_settings(page)
             prompt = self._page_prompt(engine, page)
             session, turns = self.matching_session(entry, engine, prompt), None
             if session is None:  # no chat yet (or it used other tools or another prompt): a fresh session

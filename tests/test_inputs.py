@@ -82,14 +82,14 @@ def test_the_pages_untouched_max_length_fits_a_shorter_context_and_a_typed_one_i
     value typed above the context is refused as before."""
     service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     assert service.refresh(request("early"))[3] == gr.skip()  # (the backend not loaded: the field as built)
-    engine, settings = service._page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"]))
+    engine, settings = service.page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"]))
     assert engine.context_limit == 1024 and settings.max_length == 1024
     *_, (chat, _, status, *_) = turn(service, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2,
                                        max_turns=0)
     assert plain(status) == "done" and chat[0]["content"] == "hi"
     *_, (_, textbox, status, *_) = turn(service, "hi", max_length=4096, max_new_tokens=2, max_turns=0)
     assert status == "error: max_length must be between 1 and 1024" and textbox == "hi"
-    assert service._page_settings(PageSettings(True, 1000, 8, 0, 0, []))[1].max_length == 1000  # (typed, and it fits)
+    assert service.page_settings(PageSettings(True, 1000, 8, 0, 0, []))[1].max_length == 1000  # (typed, and it fits)
     field = service.refresh(request("later"))[3]
     assert isinstance(field, gr.Number) and field.value == 1024 and "at most 1,024 tokens" in field.info
 
@@ -98,14 +98,14 @@ def test_the_pages_field_is_left_as_built_where_the_context_holds_its_default(ti
     service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
     service.warm_up()
     assert service.refresh(request())[3] == gr.skip()
-    assert service._page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, []))[1].max_length == 2048
+    assert service.page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, []))[1].max_length == 2048
 
 
 def test_the_apis_max_length_not_given_fits_a_shorter_context_and_a_given_one_is_checked(short_llama):
     service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    assert service._api_settings(None)[1].max_length == 1024
-    assert service._api_settings({"max_length": None})[1].max_length == 1024
-    assert service._api_settings({"max_length": 512})[1].max_length == 512
+    assert service.api_settings(None)[1].max_length == 1024
+    assert service.api_settings({"max_length": None})[1].max_length == 1024
+    assert service.api_settings({"max_length": 512})[1].max_length == 512
     episode = service.api_ask("hi", {"max_new_tokens": 2, "max_turns": 0})
     assert episode["segments"][0]["generated_tokens"] >= 1
     with pytest.raises(gr.Error) as caught:

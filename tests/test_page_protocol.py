@@ -66,7 +66,7 @@ def test_an_unedited_default_follows_the_protocol_and_an_edited_prompt_is_kept()
 def test_every_handler_runs_on_the_selected_protocols_engine_and_says_which_answered(tiny_llama):
     service = chat_service(tiny_llama)
     for chosen, name in (("auto", "textenv"), ("textenv", "textenv"), ("chat", "chat")):
-        engine, settings = service._page_settings(PageSettings(True, 4096, 8, 0, 0, TOOLS, protocol=chosen))
+        engine, settings = service.page_settings(PageSettings(True, 4096, 8, 0, 0, TOOLS, protocol=chosen))
         assert engine.protocol.name == name and engine.key == (name, "Calculator", "Search") and (
             settings.protocol == chosen)
     chat, _, status, tokens, *_ = page_turn(service, "What is 41 * 23?", "chat")
@@ -137,7 +137,7 @@ def test_make_service_is_textenv_by_default(tiny_llama, monkeypatch):
     """Nothing selected (None: the PROTOCOL environment variable, unset here, else auto): textenv for this model."""
     monkeypatch.delenv("PROTOCOL", raising=False)
     service, _ = make_service(tiny_llama)
-    engine, settings = service._page_settings(PageSettings(True, 4096, 8, 0, 0, TOOLS))
+    engine, settings = service.page_settings(PageSettings(True, 4096, 8, 0, 0, TOOLS))
     assert engine.protocol.name == "textenv" and settings.protocol == "auto"
 
 

@@ -297,7 +297,7 @@ def test_defaults_fit_slots_of_2048_tokens_and_a_longer_max_length_is_still_refu
         assert (done.returncode, done.stderr) == (2, "error: max_length must be between 1 and 2048\n")
         backend = ServerBackend.connect(ModelServer(llama.url, timeout_s=60), tokenizer=server_tokenizer)
         service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
-        assert backend.context_limit == 2048 and service._api_settings(None)[1].max_length == 2048
+        assert backend.context_limit == 2048 and service.api_settings(None)[1].max_length == 2048
         assert service.api_ask("What is 2+2?", {"max_new_tokens": 16})["backend"] == backend.name
         with pytest.raises(gr.Error) as caught:
             service.api_ask("What is 2+2?", {"max_length": 4096})
