@@ -34,7 +34,6 @@ from app.tools.base import Tool
 from app.tools.registry import default_tools, run_tool
 
 
-
 class Engine:
     """Runs episodes for sessions of one model backend; thread-safe (the backend's lock, one lock per session)."""
 
