@@ -75,13 +75,13 @@ def test_uncached_prefills_everything(tiny, tokenizer):
 def test_shared_prompt_cache_is_never_mutated(tiny_llama, tokenizer):
     engine = Engine(tiny_llama, prompt=PROMPT)
     engine.new_session()
-    base = engine._prompt_caches[engine.prompt]
+    base = engine.prompt_cache()
     ids = list(base.ids)
-    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in base._kv.layers]
+    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in base.own_kv.layers]
     for question in ("one", "two"):
         engine.ask(engine.new_session(), question, Settings(max_new_tokens=5))
     assert base.ids == ids and base.cached == len(ids)
-    for layer, (keys, values) in zip(base._kv.layers, snapshot):
+    for layer, (keys, values) in zip(base.own_kv.layers, snapshot):
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
@@ -89,11 +89,11 @@ def test_shared_prompt_caches_keep_the_most_recent_few(tiny_llama):
     """Visitors' custom prompts each get a shared prefilled cache; only the last PROMPT_CACHE_SIZE stay."""
     engine = Engine(tiny_llama, prompt=PROMPT)
     engine.new_session()
-    per_prompt = engine._prompt_caches[engine.prompt].nbytes
+    per_prompt = engine.prompt_cache().nbytes
     for i in range(Engine.PROMPT_CACHE_SIZE + 2):
         engine.new_session(prompt=f"Custom prompt {i}.\n{{tools}}\n")
-    assert len(engine._prompt_caches) == Engine.PROMPT_CACHE_SIZE
-    assert engine.prompt not in engine._prompt_caches  # the least recently used went first
+    assert len(engine.held_prompts) == Engine.PROMPT_CACHE_SIZE
+    assert engine.prompt not in engine.held_prompts  # the least recently used went first
     assert 0 < engine.shared_kv_bytes < (Engine.PROMPT_CACHE_SIZE + 1) * per_prompt
 
 
@@ -248,13 +248,13 @@ def test_sessions_read_the_prompt_in_place_and_hold_only_their_own_tokens(tiny_l
     system prompt's keys/values (~34 MB on the bundled model), so running chats alone went over the budget."""
     engine = Engine(tiny_llama, prompt=PROMPT)
     sessions = [engine.new_session() for _ in range(3)]
-    base = engine._prompt_caches[engine.prompt]
-    assert all(s.cache.prefix is base._kv and s.cache.nbytes == 0 for s in sessions)
+    base = engine.prompt_cache()
+    assert all(s.cache.prefix is base.own_kv and s.cache.nbytes == 0 for s in sessions)
     engine.ask(sessions[0], "hello", Settings(max_new_tokens=4))
     held = sessions[0].cache.nbytes
-    assert 0 < held <= GROW_TOKENS * tiny_llama.kv_bytes_per_token and sessions[0].cache.prefix is base._kv
+    assert 0 < held <= GROW_TOKENS * tiny_llama.kv_bytes_per_token and sessions[0].cache.prefix is base.own_kv
     compare_run = sessions[0].fork()  # Compare's fork shares the prefix too, and copies the session's own part
-    assert compare_run.cache.prefix is base._kv and compare_run.cache.nbytes == held
+    assert compare_run.cache.prefix is base.own_kv and compare_run.cache.nbytes == held
 
 
 @pytest.mark.parametrize("draft_tokens", [0, 4])
@@ -263,7 +263,7 @@ def test_a_shared_prefix_gives_the_logits_and_tokens_of_a_copied_one(tiny_llama,
     engine = Engine(tiny_llama, prompt=PROMPT)
     shared = engine.new_session()
     copied = engine.new_session()
-    copied.cache = engine._prompt_caches[engine.prompt].fork()  # share=False: a deep copy
+    copied.cache = engine.prompt_cache().fork()  # share=False: a deep copy
     assert shared.cache.prefix is not None and copied.cache.prefix is None
     settings = Settings(max_new_tokens=12, draft_tokens=draft_tokens)
     for question in ("What is 2+3?", "and then?"):
@@ -271,15 +271,15 @@ def test_a_shared_prefix_gives_the_logits_and_tokens_of_a_copied_one(tiny_llama,
         assert a.token_ids == b.token_ids
     ids = shared.cache.ids + [5, 6, 7]
     one, two = TokenCache(ids), TokenCache(ids)
-    one.reuse(engine._prompt_caches[engine.prompt], share=True)
-    two.reuse(engine._prompt_caches[engine.prompt], share=False)
+    one.reuse(engine.prompt_cache(), share=True)
+    two.reuse(engine.prompt_cache(), share=False)
     scheduler = tiny_llama.scheduler
     got, want = scheduler.forward(one, keep=3)[0], scheduler.forward(two, keep=3)[0]
     assert torch.allclose(got, want, atol=logit_tolerance(tiny_llama))
     solo = TokenCache(ids)  # the model's own forward (not the ragged pass) joins the prefix into its cache first
-    solo.reuse(engine._prompt_caches[engine.prompt], share=True)
+    solo.reuse(engine.prompt_cache(), share=True)
     solo_logits, fed, reused = solo.forward(tiny_llama.model, keep=3)
-    assert solo.prefix is None and reused == len(ids) - fed == len(engine._prompt_caches[engine.prompt])
+    assert solo.prefix is None and reused == len(ids) - fed == len(engine.prompt_cache())
     assert torch.allclose(solo_logits, want, atol=logit_tolerance(tiny_llama)) and solo.cached == len(ids)
 
 
@@ -289,6 +289,6 @@ def test_a_rollback_into_the_prefix_drops_the_link_and_a_new_turn_relinks(tiny_l
     engine.ask(session, "hello", Settings(max_new_tokens=3))
     session.cache.truncate(session.prompt_tokens - 1)  # cut into the shared positions
     assert session.cache.prefix is None and session.cache.cached == 0
-    session.cache.extend(engine._prompt_caches[engine.prompt].ids[-1:])
+    session.cache.extend(engine.prompt_cache().ids[-1:])
     episode = engine.ask(session, "again", Settings(max_new_tokens=3))
     assert session.cache.prefix is not None and episode.segments[0].cached_tokens == session.prompt_tokens

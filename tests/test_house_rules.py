@@ -204,3 +204,15 @@ def test_the_page_leaves_memory_admission_to_serving():
     words = ("turn_slot", "turn_room", "kv_reserve", "kv_after")
     page = [ROOT / "app.py", *(ROOT / "components").rglob("*.py")]
     assert [(p.name, w) for p in page for w in words if w in p.read_text()] == []
+
+
+# Private state the tests once read (issue 57); they now go through public interfaces (Engine.prompt_cache,
+# held_prompts, Scheduler.rows_in_turns, pending, the page's page_settings / api_settings).
+NOT_FOR_TESTS = ("_in_turns", "_active", "_waiting", "_cond", "_prompt_caches", "_page_settings", "_api_settings")
+
+
+def test_tests_do_not_read_the_private_state_they_once_read():
+    tests = [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_house_rules.py"]
+    found = [(p.name, node.attr) for p in tests for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in NOT_FOR_TESTS]
+    assert found == []

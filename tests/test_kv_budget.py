@@ -44,7 +44,9 @@ def test_a_prompt_the_engine_let_go_of_counts_while_sessions_read_it(tiny_llama)
     assert service.shared_kv_bytes() == engine.shared_kv_bytes == kv_nbytes(prefix)  # two readers, one copy
     session = service.store.peek("page-1").session
     assert f"MB of KV of its own, {session.prompt_tokens} read from the shared prompt)" in service.stats(session)
-    engine._prompt_caches.clear()  # as when visitors' own prompts push it out
+    for n in range(Engine.PROMPT_CACHE_SIZE):  # visitors' own prompts (not prefilled) push it out
+        engine.new_session(prompt=f"Visitor {n}'s prompt.\n{{tools}}\n", use_cache=False)
+    assert engine.prompt not in engine.held_prompts
     assert engine.shared_kv_bytes == 0 and service.shared_kv_bytes() == kv_nbytes(prefix)
 
 

@@ -87,11 +87,11 @@ def test_a_turn_counts_for_the_scheduler_from_its_question_to_its_answer(tiny_ll
     GATHER_S for turns still writing their question, and they prefill in one pass."""
     engine, scheduler = Engine(tiny_llama), tiny_llama.scheduler
     turn = engine.turn(engine.new_session(), "What is 2 + 2?", Settings(max_new_tokens=2, max_turns=0))
-    assert scheduler._in_turns == 0
+    assert scheduler.rows_in_turns() == 0
     next(turn)  # started: in scope before its first pass
-    assert scheduler._in_turns == 1
+    assert scheduler.rows_in_turns() == 1
     assert isinstance(list(turn)[-1], EpisodeFinished)
-    assert scheduler._in_turns == 0
+    assert scheduler.rows_in_turns() == 0
 
 
 def test_a_failing_row_fails_alone_and_its_cache_is_rolled_back(tiny_llama, tokenizer):
@@ -209,7 +209,7 @@ def test_a_stream_closed_after_its_request_was_stopped_keeps_no_unverified_draft
             if isinstance(event, TextDelta) and len(session.cache) - session.cache.cached > 1:  # drafts added
                 cancel.set()
                 deadline = time.monotonic() + 10
-                while (loaded.scheduler._active or loaded.scheduler._waiting) and time.monotonic() < deadline:
+                while loaded.scheduler.pending() and time.monotonic() < deadline:
                     time.sleep(0.005)  # (the request ends, Cancelled, before its next pass ...)
                 turn.close()  # (... and only then is the stream closed)
                 break
@@ -258,9 +258,10 @@ def test_a_sampled_rows_output_depends_only_on_its_own_seed(tiny_llama, monkeypa
     plan = scheduler._plan
 
     def gathered(requests):  # (the scheduler's thread, before each step)
-        if not steps:
-            with scheduler._cond:
-                scheduler._cond.wait_for(lambda: len(requests) + len(scheduler._waiting) == 4)
+        if not steps:  # (the first step waits until all four rows are in: its requests and those waiting)
+            deadline = time.monotonic() + 10
+            while scheduler.pending() < 4 and time.monotonic() < deadline:
+                time.sleep(0.002)
         chosen = plan(requests)
         steps.append({id(request.cache) for request, _ in chosen})
         return chosen

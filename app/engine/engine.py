@@ -72,6 +72,17 @@ class Engine:
         with self.backend.lock:
             return segment_text(self.backend.tokenizer, ids, self.protocol.marker_ids)
 
+    def prompt_cache(self, prompt: str | None = None) -> TokenCache | None:
+        """The shared cache of a rendered prompt (the engine's own by default), where the engine holds it."""
+        with self._prompt_lock:
+            return self._prompt_caches.get(self.prompt if prompt is None else prompt)
+
+    @property
+    def held_prompts(self) -> list[str]:
+        """The rendered prompts whose caches the engine holds, least recently used first (PROMPT_CACHE_SIZE)."""
+        with self._prompt_lock:
+            return list(self._prompt_caches)
+
     @property
     def shared_kv_bytes(self) -> int:
         """KV bytes of the shared prefilled prompts (held once per process, outside every session)."""

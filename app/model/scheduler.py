@@ -151,6 +151,11 @@ class Scheduler:
                 self._in_turns -= 1
                 self._cond.notify()
 
+    def pending(self) -> int:
+        """Requests waiting for a step or in one."""
+        with self._cond:
+            return len(self._waiting) + len(self._active)
+
     def rows_in_turns(self) -> int:
         """How many rows are inside a turn now (each will ask for a pass at almost every step)."""
         return self._in_turns
