@@ -127,8 +127,9 @@ class GuideMatcher:
     def forced(self) -> list[int]:
         """The tokens of the text the grammar fixes next (none where the model has a choice), tokenized as untrusted
         text is (GuideVocab.as_text), and only as many as the grammar takes: the grammar and the ids agree."""
-        tokens = self._vocab.as_text(self._matcher.compute_ff_tokens())
-        return tokens[: self._matcher.validate_tokens(tokens)]
+        forced = self._matcher.compute_ff_tokens()
+        tokens = self._vocab.as_text(forced)
+        return forced if tokens is forced else tokens[: self._matcher.validate_tokens(tokens)]
 
     def is_forced(self) -> bool:
         """Whether the grammar fixes the next text (a token taken now is the guide's, whichever spells it)."""
