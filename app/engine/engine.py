@@ -29,6 +29,7 @@ from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Seg
                          Stop, StopReason, TextDelta)
 from app.model.kvcache import TokenCache, kv_nbytes
 from app.protocols import PromptError, Protocol, ToolCall, ToolCallError, make_protocol
+from app.protocols.base import encode
 from app.settings import InputError, Settings, clean_question, require_utf8
 from app.tools.base import Tool
 from app.tools.registry import default_tools, run_tool
@@ -231,9 +232,9 @@ class Engine:
         return None
 
     def _opening_ids(self, text: str) -> list[int]:
-        """The ids of text the engine writes into a model segment (a claimed call)."""
+        """The ids of text the engine writes into a model segment (a claimed call), tokenized as untrusted text."""
         with self.backend.lock:
-            return self.backend.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            return encode(self.backend.tokenizer, text)
 
     def _model_segment(self, session: Session, episode: Episode, settings: Settings,
                        cancel: threading.Event | None, guide: Guide | None = None) -> Generator[Event, None, Segment]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from app.decoding.guide import Guide, claimed_guide
 from app.episode import Segment, StopReason
-from app.protocols.base import Protocol, ToolCall, ToolCallError, special_marker_ids
+from app.protocols.base import Protocol, ToolCall, ToolCallError, encode, special_marker_ids
 from app.protocols.chat_guide import chat_guide
 from app.protocols.chat_prompt import default_chat_template, render_chat_prompt, tool_schema
 from app.protocols.chat_template import TemplatePieces, own_template, renders_tools
@@ -56,7 +56,7 @@ class ChatProtocol(Protocol):
 
     def _text_ids(self, text: str) -> list[int]:
         """Untrusted text: special-token texts stay text (and neutralize has made them look-alikes)."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return encode(self.tokenizer, text)
 
     def _after(self, ids: list[int], text: str) -> str:
         """`text` without the special token it starts with where the session's last id is that token (the EOS

@@ -62,4 +62,3 @@ def neutralize(text: str, special_tokens: list[str] | tuple[str, ...] = ()) -> s
         if special in text:
             text = text.replace(special, special.replace("<", "‹").replace(">", "›"))
     return text
-
