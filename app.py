@@ -10,13 +10,14 @@ import logging
 import os
 
 from app.backends import BackendError
-from components.handlers import ChatService
+from app.serving import Service
 from components.layout import build_demo, launch_kwargs
+from components.page import Page
 
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
-    service = ChatService()
+    service = Service()
     service.store.start_sweeper()  # idle sessions go even when no visitor comes
     if os.environ.get("WARM_UP", "1") != "0":
         try:
@@ -25,7 +26,7 @@ def main() -> None:
             logging.getLogger(__name__).error("%s", error)
         except Exception:  # (the warm-up is for speed only: the page still starts, and each turn reports its own)
             logging.getLogger(__name__).exception("the warm-up turn failed")
-    demo = build_demo(service)
+    demo = build_demo(Page(service))
     # What is alive now (model, page, vocabulary, grammar tables) lives as long as the server: freezing it keeps it
     # out of the cyclic collector's full passes, which stall whichever thread runs them, often the model's scheduler
     # (docs/concurrency.md). Collected first, so no garbage is frozen; later objects are collected as usual.

@@ -4,14 +4,13 @@ functions, no Gradio, so every rule about what a visitor may send is tested with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from app.serving import DEFAULTS, TurnSettings
 from app.settings import PROTOCOLS, InputError, Settings, default_protocol
 from app.tools import default_tools
 
-# the page's and the API's settings; max_length is their default where the backend's context holds it (max_length_for)
-DEFAULTS = Settings(max_new_tokens=64, max_length=2048, max_turns=4, temperature=0.0, use_cache=True, draft_tokens=8)
 SETTING_KEYS = ("max_new_tokens", "max_length", "max_turns", "max_tool_response", "temperature", "top_p",
                 "top_k", "use_cache", "seed", "draft_tokens", "guide", "protocol")
 FLAGS = ("use_cache", "guide")  # the settings that are true or false
@@ -37,22 +36,6 @@ def clean_prompt(prompt: str | None) -> str:
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InputError(f"the system prompt is too long ({len(prompt)} characters, at most {MAX_PROMPT_CHARS})")
     return prompt
-
-
-def unedited(prompt: str | None, defaults: Collection[str]) -> bool:
-    """Whether the prompt box holds one of the protocols' default templates as shipped (line ends and surrounding
-    blank space aside)."""
-    def norm(text: str) -> str:
-        return text.replace("\r\n", "\n").strip()
-
-    return prompt is not None and norm(prompt) in {norm(d) for d in defaults}
-
-
-def prompt_for_protocol(prompt: str | None, protocol_default: str, defaults: Collection[str]) -> str | None:
-    """The prompt a protocol runs with: the box's own, but where it holds another protocol's default (unedited),
-    this protocol's default instead (`protocol_default`; `defaults`: every protocol's). So switching the Protocol
-    selector never sends one protocol's default examples to the other, and an edited prompt is kept as written."""
-    return protocol_default if unedited(prompt, defaults) else prompt
 
 
 def max_length_for(context_limit: int) -> int:
@@ -98,7 +81,7 @@ def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature,
 @dataclass(frozen=True)
 class PageSettings:
     """The page's settings controls as it sends them, in the order its inputs list them (components/layout.py),
-    built once per event from the handler's arguments; checked when read (settings, prompt_template)."""
+    built in one place from the values the page sends (components/wiring.py); checked when read (asked)."""
 
     use_cache: bool
     max_length: float | None  # (numbers as the fields send them: floats, or None where a field is empty)
@@ -116,15 +99,12 @@ class PageSettings:
         return make_settings(self.use_cache, self.max_length, self.max_new_tokens, self.max_turns, self.temperature,
                              self.seed, self.guide, self.protocol)
 
-    def tool_list(self) -> list[str]:
-        return list(self.tools or [])
-
-    def prompt_template(self) -> str:
-        """The system prompt template, or a clear InputError (clean_prompt)."""
-        return clean_prompt(self.prompt)
+    def asked(self) -> TurnSettings:
+        """What a job runs with: the settings, the checked tools and the prompt, or a clear InputError."""
+        return TurnSettings(self.settings(), list(self.tools or []), clean_prompt(self.prompt))
 
 
-def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None, str | None]:
+def settings_from_dict(values: dict | None) -> TurnSettings:
     """API settings: any Settings field plus `tools` (list of names) and `prompt` (a system prompt template);
     unknown keys are errors, and so is a value of the wrong type (`"guide": "yes"`, `"use_cache": 1`). A max_length
     not given (or null) is None: the default for the backend (max_length_for)."""
@@ -157,4 +137,4 @@ def settings_from_dict(values: dict | None) -> tuple[Settings, list[str] | None,
         raise InputError("setting tools must be a list of tool names")
     if prompt is not None and not isinstance(prompt, str):
         raise InputError("setting prompt must be text (a system prompt; `{tools}` is replaced by the tool list)")
-    return settings, tools, None if prompt is None else clean_prompt(prompt)
+    return TurnSettings(settings, tools, None if prompt is None else clean_prompt(prompt))

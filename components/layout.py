@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import gradio as gr
 
 from app.backends import concurrent_turns
@@ -12,12 +10,13 @@ from app.paths import ASSETS
 from app.settings import PROTOCOLS
 from app.serving import closes_elsewhere
 from components.batch import MAX_BATCH, empty_frame
-from components.handlers import ChatService
-from components.inputs import DEFAULTS, PageSettings, page_protocol, tool_names
+from components.inputs import DEFAULTS, page_protocol, tool_names
+from components.page import Page
 from components.status import finished_marker
 from components.timing import COLOR_MAP as TIMING_COLORS
 from components.timing import prefill_frame, time_frame, timing_summary
 from components.tokens import COLOR_MAP
+from components.wiring import page_event
 
 MODEL = "model"  # the one concurrency group of every event that runs the model
 QUEUE_MAX_SIZE = 32
@@ -42,8 +41,8 @@ def completion_marker(elem_id: str) -> gr.HTML:
     return gr.HTML(finished_marker(0), elem_id=elem_id, visible="hidden", js_on_load=None)
 
 
-def build_demo(service: ChatService | None = None) -> gr.Blocks:
-    service = service or ChatService()
+def build_demo(page: Page | None = None) -> gr.Blocks:
+    page = page if page is not None else Page()
     turns = concurrent_turns()  # turns (and Compare, Batch, API calls) that run at once (app.backends.select)
     # (delete_cache: the Batch tab's downloads, in Gradio's cache folder, go after an hour, checked hourly)
     with gr.Blocks(title="TextEnv Chat", delete_cache=(3600, 3600)) as demo:
@@ -143,74 +142,68 @@ def build_demo(service: ChatService | None = None) -> gr.Blocks:
                                              " or `> tool: argument`). Switching the protocol swaps the default "
                                              "for the other's; an edited prompt stays as written, and one that "
                                              "does not fit the protocol's format is an error on the status line.")
-                stats = gr.Markdown(service.stats(None), elem_id="stats")
+                stats = gr.Markdown(page.chat.stats(None), elem_id="stats")
                 tokens = gr.HighlightedText(label="Tokens (system · user · model · guide · tool)", elem_id="tokens",
                                             color_map=COLOR_MAP, show_legend=True, combine_adjacent=False,
                                             show_inline_category=False)
 
-        # the streaming handlers, closed off Gradio's event loop when their client goes away (app.serving.streaming)
-        chat_page, run_compare, run_compare_guide, run_batch, api_chat = map(closes_elsewhere, (
-            service.chat_page, service.compare, service.compare_guide, service.batch, service.api_chat))
         # What the page hands queued work when it is submitted: a sent message with its Stop ticket, and the
         # tickets of Compare and Batch (hidden: their values travel with each queued event)
         submitted = gr.JSON(visible=False)
         compare_ticket, batch_ticket = gr.Number(visible=False), gr.Number(visible=False)
-        # the settings controls in PageSettings' order, which the handlers' parameters follow
-        controls = dict(use_cache=use_cache, max_length=max_length, max_new_tokens=max_new_tokens,
+        # the settings controls by PageSettings field: each handler gets them as one PageSettings
+        settings = dict(use_cache=use_cache, max_length=max_length, max_new_tokens=max_new_tokens,
                         max_turns=max_turns, temperature=temperature, tools=tools, prompt=prompt, seed=seed,
                         guide=guide, protocol=protocol)
-        settings_inputs = [controls[field.name] for field in dataclasses.fields(PageSettings)]
-        turn_inputs = [msg, *settings_inputs]
-        charts_outputs = [timing, timing_ms, timing_text]
-        turn_outputs = [chat, msg, status, tokens, stats, turn_marker, *charts_outputs]
-        charts = dict(fn=service.timing, inputs=None, outputs=charts_outputs, concurrency_id="charts",
-                      concurrency_limit=None, show_progress="hidden", api_visibility="private")
-        # the charts come with the turn's final status, so "done" means everything is shown; a message sent
-        # while a turn runs queues behind it ("multiple": Gradio's default "once" drops it silently)
-        turn = dict(fn=chat_page, inputs=[submitted, *settings_inputs], outputs=turn_outputs, concurrency_id=MODEL,
-                    concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_turn",
+        chat_view = dict(chat=chat, msg=msg, status=status, tokens=tokens, stats=stats, turn_marker=turn_marker,
+                         timing=timing, timing_ms=timing_ms, timing_text=timing_text)
+        compare_view = dict(compare_result=compare_result, status=status, turn_marker=turn_marker)
+        batch_view = dict(batch_results=batch_results, batch_summary=batch_summary, batch_status=batch_status,
+                          batch_download=batch_download, batch_marker=batch_marker)
+        running = dict(concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden",
+                       api_visibility="private")
+        # a message sent while a turn runs queues behind it ("multiple": Gradio's default "once" drops it silently)
+        turn = dict(**page_event(page.chat.turn, chat_view, dict(submitted=submitted), settings), **running,
                     trigger_mode="multiple")
         # Submitting (the message box emptied, Stop tickets taken) and Stop must not wait behind running work:
         # their own group, no limit. A ticket lets Stop cancel work still waiting in the queue.
         quick = dict(concurrency_id="stop", concurrency_limit=None, show_progress="hidden", api_visibility="private")
-        send.click(service.submit, [msg, chat], [msg, submitted, chat], **quick, api_name="ui_send").then(**turn)
-        msg.submit(service.submit, [msg, chat], [msg, submitted, chat], **quick,
-                   api_name="ui_enter").then(**{**turn, "api_name": "ui_submit"})
-        stop.click(service.stop, **quick, api_name="ui_stop")
-        batch_stop.click(service.stop_batch, **quick, api_name="ui_batch_stop")
-        fresh = dict(fn=service.new_chat, inputs=None, outputs=[chat, msg, status, tokens, stats],
-                     concurrency_id="new-chat", concurrency_limit=None, show_progress="hidden",
-                     api_visibility="private")
-        new_chat.click(**fresh, api_name="ui_new_chat").then(**charts, api_name="ui_charts_new_chat")
+        send.click(page.chat.submit, [msg, chat], [msg, submitted, chat], **quick, api_name="ui_send").then(
+            **turn, api_name="ui_turn")
+        msg.submit(page.chat.submit, [msg, chat], [msg, submitted, chat], **quick, api_name="ui_enter").then(
+            **turn, api_name="ui_submit")
+        stop.click(page.chat.stop, **quick, api_name="ui_stop")
+        batch_stop.click(page.batch.stop, **quick, api_name="ui_batch_stop")
+        fresh = dict(**page_event(page.chat.new_chat, chat_view), concurrency_id="new-chat", concurrency_limit=None,
+                     show_progress="hidden", api_visibility="private")
+        new_chat.click(**fresh, api_name="ui_new_chat")
         # the chat's own trash icon is New chat too: else it would empty the view only, and the next answer would
         # bring the "cleared" turns back (the session still holds them)
-        chat.clear(**fresh, api_name="ui_clear_chat").then(**charts, api_name="ui_charts_clear_chat")
-        compare.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_ticket").then(
-            run_compare, [*turn_inputs, compare_ticket], [compare_result, status, turn_marker], concurrency_id=MODEL,
-            concurrency_limit=turns, show_progress="hidden", api_visibility="private", api_name="ui_compare")
-        compare_guide.click(service.ticket, None, compare_ticket, **quick, api_name="ui_compare_guide_ticket").then(
-            run_compare_guide, [*turn_inputs, compare_ticket], [compare_result, status, turn_marker],
-            concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
-            api_name="ui_compare_guide")
-        batch_load.click(service.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
+        chat.clear(**fresh, api_name="ui_clear_chat")
+        for button, handler, name in ((compare, page.chat.compare, "ui_compare"),
+                                      (compare_guide, page.chat.compare_guide, "ui_compare_guide")):
+            button.click(page.chat.ticket, None, compare_ticket, **quick, api_name=f"{name}_ticket").then(
+                **page_event(handler, compare_view, dict(msg=msg, ticket=compare_ticket), settings), **running,
+                api_name=name)
+        batch_load.click(page.batch.builtin_batch, None, [batch_questions], concurrency_id="batch-load",
                          concurrency_limit=None, show_progress="hidden", api_visibility="private",
                          api_name="ui_batch_load")
-        batch_run.click(service.batch_ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
-            run_batch, [batch_questions, *settings_inputs, batch_ticket],
-            [batch_results, batch_summary, batch_status, batch_download, batch_marker],
-            concurrency_id=MODEL, concurrency_limit=turns, show_progress="hidden", api_visibility="private",
-            api_name="ui_batch")
-        # the prompt box follows the protocol while it holds a default (ChatService.protocol_prompt)
-        protocol.change(service.protocol_prompt, [protocol, prompt], [prompt], concurrency_id="protocol",
-                        concurrency_limit=None, show_progress="hidden", api_visibility="private",
-                        api_name="ui_protocol")
-        demo.load(service.refresh, None, [chat, tokens, stats, max_length, prompt], concurrency_id="load",
-                  concurrency_limit=None, show_progress="hidden", api_visibility="private",
-                  api_name="ui_load").then(**charts, api_name="ui_charts_load")
-        demo.unload(service.unload)
+        batch_run.click(page.batch.ticket, None, batch_ticket, **quick, api_name="ui_batch_ticket").then(
+            **page_event(page.batch.run, batch_view, dict(batch_questions=batch_questions, ticket=batch_ticket),
+                         settings), **running, api_name="ui_batch")
+        # the prompt box follows the protocol while it holds a default (SettingsPanel.protocol_prompt)
+        settings_view = dict(max_length=max_length, prompt=prompt)
+        protocol.change(**page_event(page.settings.protocol_prompt, settings_view,
+                                     dict(protocol=protocol, prompt=prompt)),
+                        concurrency_id="protocol", concurrency_limit=None, show_progress="hidden",
+                        api_visibility="private", api_name="ui_protocol")
+        load = dict(concurrency_id="load", concurrency_limit=None, show_progress="hidden", api_visibility="private")
+        demo.load(**page_event(page.chat.refresh, chat_view), **load, api_name="ui_load").then(
+            **page_event(page.settings.on_load, settings_view), **load, api_name="ui_settings_load")
+        demo.unload(page.chat.unload)
 
-        gr.api(api_chat, api_name="chat", concurrency_id=MODEL, concurrency_limit=turns)
-        gr.api(service.api_ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=turns)
-        gr.api(service.api_stats, api_name="stats", concurrency_id="stats", concurrency_limit=None)
+        gr.api(closes_elsewhere(page.api.chat), api_name="chat", concurrency_id=MODEL, concurrency_limit=turns)
+        gr.api(page.api.ask, api_name="ask", concurrency_id=MODEL, concurrency_limit=turns)
+        gr.api(page.api.stats, api_name="stats", concurrency_id="stats", concurrency_limit=None)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return demo

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from app.engine.session import Session
 from app.model.kvcache import TokenCache, room_for
@@ -135,6 +136,16 @@ class _Reservation:
         return max(0, self.bytes - held)
 
 
+class SharedPrompts(Protocol):
+    """KV held outside the sessions that the sessions read (app.serving.engines.Engines: prefilled prompts)."""
+
+    def kv_bytes(self, read: Sequence[object]) -> int:
+        """The bytes held, and of the caches in `read`, each counted once."""
+
+    def release(self, read: Sequence[object]) -> int:
+        """Let go of what none of `read` is; the bytes freed."""
+
+
 @dataclass(frozen=True)
 class StoreStats:
     sessions: int
@@ -147,7 +158,7 @@ class SessionStore:
     """Thread-safe dict of Entry by key, in least-recently-used order, with a KV byte budget and idle timeout."""
 
     def __init__(self, budget_bytes: int | None = None, idle_timeout_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, prompts: SharedPrompts | None = None):
         self.budget_bytes = budget_from_env() if budget_bytes is None else budget_bytes
         self.idle_timeout_s = idle_timeout_from_env() if idle_timeout_s is None else idle_timeout_s
         self._clock = clock
@@ -158,9 +169,7 @@ class SessionStore:
         self._reserved: list[_Reservation] = []  # the running jobs' (see turn_slot)
         self._tickets = itertools.count()  # jobs waiting for their place, in arrival order (see turn_slot)
         self._queue: list[int] = []
-        # Frees KV held outside the sessions that nothing needs (a server's unread prefilled prompts), returning
-        # the bytes freed: tried before any session's cache is dropped to fit the budget.
-        self.release_shared: Callable[[], int] | None = None
+        self._prompts = prompts  # KV held outside the sessions, counted in the budget (None: nothing)
 
     # ---- access ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> Entry:
@@ -237,11 +246,16 @@ class SessionStore:
         threading.Thread(target=loop, name="session-sweeper", daemon=True).start()
         return stop
 
-    def enforce_budget(self, shared_bytes: int = 0) -> list[str]:
-        """Drop idle sessions' KV, least recently used first, to fit the budget beside `shared_bytes`; their keys."""
-        return self._drop_to_budget(shared_bytes)[0]
+    def enforce_budget(self) -> list[str]:
+        """Drop idle sessions' KV, least recently used first, to fit the budget beside the shared prompts; their
+        keys."""
+        return self._drop_to_budget()[0]
 
-    def _drop_to_budget(self, shared_bytes: int, jobs: Sequence[_Reservation] = ()) -> tuple[list[str], int]:
+    def shared_bytes(self) -> int:
+        """KV of the shared prompts (SharedPrompts), each counted once."""
+        return 0 if self._prompts is None else self._prompts.kv_bytes(self.prefixes())
+
+    def _drop_to_budget(self, jobs: Sequence[_Reservation] = ()) -> tuple[list[str], int]:
         """enforce_budget's work, with `jobs`' reservations counted and the caches they fill kept (a job about to
         run would recompute its own at once): (the keys whose caches were dropped, the bytes held and reserved
         afterwards)."""
@@ -250,9 +264,10 @@ class SessionStore:
             entries = list(self._entries.items())  # oldest first
         counted = {id(e.session.cache) for _, e in entries if e.session is not None}
         keep = {id(job.fills) for job in jobs if job.fills is not None}
-        total = shared_bytes + sum(e.kv_bytes for _, e in entries) + sum(job.outstanding(counted) for job in jobs)
-        if total > self.budget_bytes and self.release_shared is not None:
-            total -= self.release_shared()
+        total = (self.shared_bytes() + sum(e.kv_bytes for _, e in entries)
+                 + sum(job.outstanding(counted) for job in jobs))
+        if total > self.budget_bytes and self._prompts is not None:  # unread prompts go before any chat's cache
+            total -= self._prompts.release(self.prefixes())
         for key, entry in entries:
             if total <= self.budget_bytes:
                 break
@@ -279,7 +294,7 @@ class SessionStore:
         return [s.cache.prefix for s in sessions if s.cache.prefix is not None]
 
     @contextmanager
-    def turn_slot(self, shared_bytes: Callable[[], int], cancel: threading.Event | None = None, *, reserve: int = 0,
+    def turn_slot(self, cancel: threading.Event | None = None, *, reserve: int = 0,
                   fills: TokenCache | None = None, poll_s: float = 0.1) -> Iterator[None]:
         """Hold a model job's place under the KV budget (a chat turn, Compare, a batch, an `/ask`), as a serving
         engine admits a request only while its KV fits: a job starts when the sessions' caches, the shared prompts
@@ -303,7 +318,7 @@ class SessionStore:
             try:  # in arrival order: the first waiting job starts when it fits, or when no job runs
                 while not (cancel is not None and cancel.is_set()) and (
                         self._queue[0] != ticket or
-                        self._running and self._over_budget(shared_bytes(), job)):
+                        self._running and self._over_budget(job)):
                     self._turns.wait(poll_s)  # (idle caches may also be freed meanwhile: look again)
             finally:
                 self._queue.remove(ticket)
@@ -318,11 +333,11 @@ class SessionStore:
                 self._reserved.remove(job)
                 self._turns.notify_all()
 
-    def _over_budget(self, shared_bytes: int, job: _Reservation) -> bool:
-        return self._drop_to_budget(shared_bytes, [*self._reserved, job])[1] > self.budget_bytes
+    def _over_budget(self, job: _Reservation) -> bool:
+        return self._drop_to_budget([*self._reserved, job])[1] > self.budget_bytes
 
-    def stats(self, shared_bytes: int = 0) -> StoreStats:
+    def stats(self) -> StoreStats:
         with self._lock:
             entries = list(self._entries.values())
         return StoreStats(sessions=len(entries), kv_bytes=sum(e.kv_bytes for e in entries),
-                          budget_bytes=self.budget_bytes, shared_bytes=shared_bytes)
+                          budget_bytes=self.budget_bytes, shared_bytes=self.shared_bytes())

@@ -1,6 +1,7 @@
 """The page's handlers on a tiny forced model, for the tests of components/ (test_handlers.py, test_api.py, …):
-a ChatService on a forced-token model, a turn or a queued page turn run to its end, a hand-built episode, and the
-fixture that keeps one planned token per forward pass with the guide off."""
+a Page (components/page.py) on a forced-token model, the page's settings as one PageSettings, a turn or a queued
+page turn run to its end, a hand-built episode, and the fixture that keeps one planned token per forward pass with
+the guide off."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from app.decoding.guide_matcher import GuideVocab
 from app.decoding.stops import Stop, StopReason
 from app.protocols.textenv.prompt import default_prompt_template
 from app.episode import Episode, Segment
-from app.serving.sessions import MB, SessionStore
-from components.handlers import ChatService
+from app.serving import MB, Service
+from components.chat_tab import ChatView
+from components.inputs import PageSettings
+from components.page import Page
 from tests.conftest import forced, plan_text, writing
 
 CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
@@ -50,15 +53,28 @@ def request(key: str = "page-1"):
     return types.SimpleNamespace(session_hash=key)
 
 
-def make_service(tiny_llama, plan=None, eos_ids=None):
+def new_page(loader, **store) -> Page:
+    """A Page on its own Service (`loader` gives the backend), with a 512 MB KV budget unless `store` says."""
+    store = {"budget_bytes": 512 * MB, "idle_timeout_s": 3600, **store}
+    return Page(Service(loader=loader, **store))
+
+
+def make_page(tiny_llama, plan=None, eos_ids=None) -> tuple[Page, object]:
     loaded = forced(tiny_llama, plan, eos_ids=eos_ids)
     if eos_ids is not None and not eos_ids:  # a model that never stops: the guide (warm_up's turn runs it) still
         # needs its tokenizer's end token (llguidance rejects an empty EOS list)
         loaded.__dict__["guide_vocab"] = GuideVocab(loaded.tokenizer, tiny_llama.eos_ids)
-    service = ChatService(loader=lambda: loaded, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    service.warm_up()  # prefill the shared prompt now, so plan step 0 is the first generated token
+    page = new_page(lambda: loaded)
+    page.service.warm_up()  # prefill the shared prompt now, so plan step 0 is the first generated token
     loaded.model.step = 0
-    return service, loaded
+    return page, loaded
+
+
+def page_settings(use_cache=True, max_length=4096, max_new_tokens=16, max_turns=4, temperature=0,
+                  tools=("Calculator", "Search"), prompt=None, **more) -> PageSettings:
+    """The page's settings controls as a visitor may set them (the textenv prompt unless `prompt` says)."""
+    prompt = default_prompt_template() if prompt is None else prompt
+    return PageSettings(use_cache, max_length, max_new_tokens, max_turns, temperature, list(tools), prompt, **more)
 
 
 def plain(status: str) -> str:
@@ -67,11 +83,12 @@ def plain(status: str) -> str:
     return re.sub(r" · (ended by [^·]*?|protocol \w+)(?= · |$)", "", status)
 
 
-def turn(service, message, key="page-1", use_cache=True, max_length=4096, max_new_tokens=16, max_turns=4,
-         temperature=0, tools=("Calculator", "Search"), prompt=None):
-    prompt = default_prompt_template() if prompt is None else prompt
-    return list(service.chat(message, use_cache, max_length, max_new_tokens, max_turns, temperature, list(tools),
-                             prompt, request(key)))
+def turn(page: Page, message: str, key: str = "page-1", ticket: int | None = None, sent: int | None = None,
+         **settings) -> list[ChatView]:
+    """Every update of one turn of `message` sent from the page (with its Stop `ticket` and number among the
+    waiting messages, `sent`, where given), on page_settings(**settings)."""
+    submitted = {"message": message, "ticket": ticket, "sent": sent}
+    return list(page.chat.turn(submitted, page_settings(**settings), request(key)))
 
 
 @pytest.fixture
@@ -81,16 +98,15 @@ def calculator_plan(tokenizer):
                                              "Result = 943<submit>"))
 
 
-def page_turn(service, submitted: dict, max_new_tokens: int = 50) -> tuple:
-    """The last output of a turn the page queued: chat_page on what submit() handed over."""
-    return list(service.chat_page(submitted, True, 4096, max_new_tokens, 4, 0, ["Calculator", "Search"],
-                                  default_prompt_template(), request()))[-1]
+def page_turn(page: Page, submitted: dict, max_new_tokens: int = 50) -> ChatView:
+    """The last update of a turn the page queued: ChatTab.turn on what submit() handed over."""
+    return list(page.chat.turn(submitted, page_settings(max_new_tokens=max_new_tokens), request()))[-1]
 
 
 CLAIMED = "What is 2 + 2 * 3?"  # a question the Calculator claims: with the guide on, the engine writes the call
 ALONE = "\nResult = 7<submit>"  # what the model writes (tests/conftest.py WritingModel), the guide off or on
 
 
-def writing_service(tiny_llama, *pieces: str) -> ChatService:
+def writing_page(tiny_llama, *pieces: str) -> Page:
     loaded = writing(tiny_llama, *pieces)
-    return ChatService(loader=lambda: loaded, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
+    return new_page(lambda: loaded)
