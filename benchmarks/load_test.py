@@ -123,7 +123,7 @@ def phase(budget_mb: str | None, sessions: int, turns: int) -> dict:
         with running_app(log, {"KV_BUDGET_MB": budget_mb} if budget_mb is not None else None, STARTUP_S) as url:
             deadline = time.perf_counter() + RUN_S
             # A new server's first turn is not the baseline: its first text took 0.47 s, later ones 0.06 s (before
-            # ChatService.warm_up ran a turn), and with a solo p95 over 3 turns that one was the solo p95.
+            # Service.warm_up ran a turn), and with a solo p95 over 3 turns that one was the solo p95.
             warm_up = run_session(url, sessions + 2, 1, deadline)
             solo = run_session(url, sessions + 1, turns, deadline)  # numbers no load session uses
             stop, peak = threading.Event(), {}

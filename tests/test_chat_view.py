@@ -100,7 +100,7 @@ def test_a_turn_the_model_did_not_end_says_why_on_the_status_line():
     the status line said a plain "done"."""
     from app.decoding.stops import Limit
     from components.chat import ending_note
-    from components.handlers import done_status
+    from components.status import done_status
 
     def ended(stop: Stop, unrun: bool = False, answered: bool = False) -> str | None:
         episode = Episode("q", 0, 1, use_cache=True, unrun_call=unrun, answered=answered)

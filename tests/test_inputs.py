@@ -8,12 +8,10 @@ import dataclasses
 import gradio as gr
 import pytest
 
-from app.serving.sessions import MB, SessionStore
 from app.settings import InputError, Settings
 from components import inputs
-from components.handlers import ChatService
-from components.inputs import PageSettings, make_settings, settings_from_dict
-from tests.support.page import plain, request, turn
+from components.inputs import make_settings, settings_from_dict
+from tests.support.page import new_page, page_settings, plain, request, turn
 from tests.support.page import one_token_per_pass  # noqa: F401  (an autouse fixture)
 
 
@@ -39,12 +37,13 @@ def test_make_settings_builds_a_new_frozen_value_and_rejects_bad_fields():
 
 
 def test_settings_from_dict():
-    s, tools, prompt = settings_from_dict({"max_new_tokens": 5, "temperature": 1, "tools": ["Calculator"],
-                                           "prompt": "Be brief.\n{tools}\n"})
+    asked = settings_from_dict({"max_new_tokens": 5, "temperature": 1, "tools": ["Calculator"],
+                                "prompt": "Be brief.\n{tools}\n"})
+    s, tools, prompt = asked.settings, asked.tools, asked.prompt
     assert s.max_new_tokens == 5 and s.temperature == 1 and tools == ["Calculator"] and prompt == "Be brief.\n{tools}\n"
-    assert settings_from_dict(None)[1:] == (None, None)
-    assert settings_from_dict(None)[0].max_length is None  # not given: the backend's default, resolved later
-    assert settings_from_dict({"max_length": 2048})[0].max_length == 2048  # given: checked as given
+    assert settings_from_dict(None).tools is None and settings_from_dict(None).prompt is None
+    assert settings_from_dict(None).settings.max_length is None  # not given: the backend's default, resolved later
+    assert settings_from_dict({"max_length": 2048}).settings.max_length == 2048  # given: checked as given
     with pytest.raises(InputError, match="system prompt is empty"):
         settings_from_dict({"prompt": "  "})
     with pytest.raises(InputError, match="prompt must be text"):
@@ -55,8 +54,8 @@ def test_settings_from_dict():
         settings_from_dict({"max_length": "big"})
     with pytest.raises(InputError, match="tools must be a list"):
         settings_from_dict({"tools": "Calculator"})
-    assert settings_from_dict({"guide": False})[0].guide is False
-    assert settings_from_dict({"guide": True})[0].guide is True
+    assert settings_from_dict({"guide": False}).settings.guide is False
+    assert settings_from_dict({"guide": True}).settings.guide is True
     for bad in ("no", 0, 1, None, [True]):
         with pytest.raises(InputError, match="setting guide must be true or false"):
             settings_from_dict({"guide": bad})
@@ -80,34 +79,38 @@ def test_the_pages_untouched_max_length_fits_a_shorter_context_and_a_typed_one_i
     """The page shows its default max_length (2,048) before it knows the backend; on a model (or a server's slot)
     that holds 1,024 tokens a turn with it answers within 1,024, and the page's next load shows 1,024 and why; a
     value typed above the context is refused as before."""
-    service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    assert service.refresh(request("early"))[3] == gr.skip()  # (the backend not loaded: the field as built)
-    engine, settings = service.page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, ["Calculator"]))
-    assert engine.context_limit == 1024 and settings.max_length == 1024
-    *_, (chat, _, status, *_) = turn(service, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2,
-                                       max_turns=0)
-    assert plain(status) == "done" and chat[0]["content"] == "hi"
-    *_, (_, textbox, status, *_) = turn(service, "hi", max_length=4096, max_new_tokens=2, max_turns=0)
-    assert status == "error: max_length must be between 1 and 1024" and textbox == "hi"
-    assert service.page_settings(PageSettings(True, 1000, 8, 0, 0, []))[1].max_length == 1000  # (typed, and it fits)
-    field = service.refresh(request("later"))[3]
+    page = new_page(lambda: short_llama)
+    service = page.service
+    # (the backend not loaded: the field as built)
+    assert page.settings.on_load(request("early")).max_length is None
+    job = service.choose(page_settings(max_length=inputs.DEFAULTS.max_length, max_new_tokens=8, max_turns=0,
+                                       tools=["Calculator"]).asked())
+    assert job.engine.context_limit == 1024 and job.settings.max_length == 1024
+    shown = turn(page, "hi", max_length=inputs.DEFAULTS.max_length, max_new_tokens=2, max_turns=0)[-1]
+    assert plain(shown.status) == "done" and shown.chat[0]["content"] == "hi"
+    shown = turn(page, "hi", max_length=4096, max_new_tokens=2, max_turns=0)[-1]
+    assert shown.status == "error: max_length must be between 1 and 1024" and shown.msg == "hi"
+    typed = page_settings(max_length=1000, max_new_tokens=8, max_turns=0, tools=[])
+    assert service.choose(typed.asked()).settings.max_length == 1000  # (typed, and it fits)
+    field = page.settings.on_load(request("later")).max_length
     assert isinstance(field, gr.Number) and field.value == 1024 and "at most 1,024 tokens" in field.info
 
 
 def test_the_pages_field_is_left_as_built_where_the_context_holds_its_default(tiny_llama):
-    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    service.warm_up()
-    assert service.refresh(request())[3] == gr.skip()
-    assert service.page_settings(PageSettings(True, inputs.DEFAULTS.max_length, 8, 0, 0, []))[1].max_length == 2048
+    page = new_page(lambda: tiny_llama)
+    page.service.warm_up()
+    assert page.settings.on_load(request()).max_length is None
+    untouched = page_settings(max_length=inputs.DEFAULTS.max_length, max_new_tokens=8, max_turns=0, tools=[])
+    assert page.service.choose(untouched.asked()).settings.max_length == 2048
 
 
 def test_the_apis_max_length_not_given_fits_a_shorter_context_and_a_given_one_is_checked(short_llama):
-    service = ChatService(loader=lambda: short_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    assert service.api_settings(None)[1].max_length == 1024
-    assert service.api_settings({"max_length": None})[1].max_length == 1024
-    assert service.api_settings({"max_length": 512})[1].max_length == 512
-    episode = service.api_ask("hi", {"max_new_tokens": 2, "max_turns": 0})
+    page = new_page(lambda: short_llama)
+    assert page.service.choose(settings_from_dict(None)).settings.max_length == 1024
+    assert page.service.choose(settings_from_dict({"max_length": None})).settings.max_length == 1024
+    assert page.service.choose(settings_from_dict({"max_length": 512})).settings.max_length == 512
+    episode = page.api.ask("hi", {"max_new_tokens": 2, "max_turns": 0})
     assert episode["segments"][0]["generated_tokens"] >= 1
     with pytest.raises(gr.Error) as caught:
-        service.api_ask("hi", {"max_length": 2048})
+        page.api.ask("hi", {"max_length": 2048})
     assert caught.value.message == "max_length must be between 1 and 1024"

@@ -4,7 +4,6 @@ after each of its steps."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch

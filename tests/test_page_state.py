@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from app.serving import ChatChange, SessionStore
+from app.serving import ChatChange, Service, SessionStore
 from app.serving.sessions import MB
-from components.handlers import ChatService
+from components.page import Page
 from components.page_state import PageState, PageStates, new_chat_notes
 
 
@@ -98,17 +98,17 @@ def test_a_page_closed_or_swept_frees_its_page_state(how):
     """The page's record goes with the serving entry, by the same unload or idle sweep: no per-visitor state is
     left behind in components/."""
     clock = Clock()
-    service = ChatService(loader=lambda: None, store=SessionStore(budget_bytes=MB, idle_timeout_s=60, clock=clock))
-    service.submit("hello", [], request("gone"))
-    service.submit("hi", [], request("stays"))
-    assert service.page_state("gone").waiting_messages() == ["hello"] and len(service.pages) == 2
+    page = Page(Service(loader=lambda: None, budget_bytes=MB, idle_timeout_s=60, clock=clock))
+    page.chat.submit("hello", [], request("gone"))
+    page.chat.submit("hi", [], request("stays"))
+    assert page.page_state("gone").waiting_messages() == ["hello"] and len(page.pages) == 2
     if how == "closed":
-        service.unload(request("gone"))
+        page.chat.unload(request("gone"))
     else:
         clock.now += 40
-        service.store.get("stays")  # used again
+        page.service.store.get("stays")  # used again
         clock.now += 30
-        assert service.store.sweep() == ["gone"]  # idle for 70 s, past the 60 s timeout
+        assert page.service.store.sweep() == ["gone"]  # idle for 70 s, past the 60 s timeout
     gc.collect()
-    assert len(service.pages) == 1 and service.page_state("stays").waiting_messages() == ["hi"]
-    assert service.page_state("gone") is None
+    assert len(page.pages) == 1 and page.page_state("stays").waiting_messages() == ["hi"]
+    assert page.page_state("gone") is None

@@ -35,11 +35,11 @@ from app.engine.engine import Engine
 from app.episode import SegmentFinished, TextDelta
 from app.episode import Provenance
 from app.protocols.textenv.markers import CALL, CUT_STOPS, STOP_STRINGS
-from app.serving.sessions import SessionStore
 from app.settings import Settings
 from components.compare import compare_markdown
-from components.handlers import ChatService
+from components.inputs import settings_from_dict
 from tests.http_peers import proxy
+from tests.support.page import new_page, page_settings
 
 EXTERNAL = os.environ.get("TEXTENV_TEST_SERVER_URL")
 llama_only = pytest.mark.skipif(EXTERNAL is not None, reason="starts, kills or inspects llama.cpp's own server")
@@ -296,35 +296,40 @@ def test_defaults_fit_slots_of_2048_tokens_and_a_longer_max_length_is_still_refu
                               capture_output=True, text=True, timeout=300, env=env)
         assert (done.returncode, done.stderr) == (2, "error: max_length must be between 1 and 2048\n")
         backend = ServerBackend.connect(ModelServer(llama.url, timeout_s=60), tokenizer=server_tokenizer)
-        service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
-        assert backend.context_limit == 2048 and service.api_settings(None)[1].max_length == 2048
-        assert service.api_ask("What is 2+2?", {"max_new_tokens": 16})["backend"] == backend.name
+        page = new_page(lambda: backend, budget_bytes=1 << 30)
+        assert backend.context_limit == 2048
+        assert page.service.choose(settings_from_dict(None)).settings.max_length == 2048
+        assert page.api.ask("What is 2+2?", {"max_new_tokens": 16})["backend"] == backend.name
         with pytest.raises(gr.Error) as caught:
-            service.api_ask("What is 2+2?", {"max_length": 4096})
+            page.api.ask("What is 2+2?", {"max_length": 4096})
         assert caught.value.message == "max_length must be between 1 and 2048"
 
 
+def page_chat(page, message: str, tools=("Calculator", "Search")) -> list:
+    """Every update of one turn sent from the page's Chat tab (as the visitor page-1), on the page's settings."""
+    visitor = types.SimpleNamespace(session_hash="page-1")
+    submitted = {"message": message, "ticket": None, "sent": None}
+    settings = page_settings(max_new_tokens=48, tools=tools, prompt=service_prompt())
+    return list(page.chat.turn(submitted, settings, visitor))
+
+
 def test_page_and_api_on_the_server_backend(backend):
-    service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
-    page = types.SimpleNamespace(session_hash="page-1")
-    outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
-                                service_prompt(), page))
-    chat, _, status, _, stats, _ = outputs[-1]
+    page = new_page(lambda: backend, budget_bytes=1 << 30)
+    shown = page_chat(page, "What is 41 * 23?")[-1]
+    chat, status, stats = shown.chat, shown.status, shown.stats
     assert status == "done · protocol textenv" and "string match `<call>`" in chat[1]["content"]
     assert f"Model: {backend.name}" in stats and "live on the model server" in stats
-    assert service.api_ask("What is 12 * 9?")["backend"] == backend.name
+    assert page.api.ask("What is 12 * 9?")["backend"] == backend.name
 
 
 def test_page_and_api_say_when_the_server_is_down():
     dead = f"http://127.0.0.1:{free_port()}"
-    service = ChatService(loader=lambda: ServerBackend.connect(ModelServer(dead, timeout_s=5)),
-                          store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
-    page = types.SimpleNamespace(session_hash="page-1")
-    outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator"], service_prompt(), page))
-    assert outputs[-1][2] == f"error: model server {dead} is not reachable: connection refused"
-    assert outputs[-1][1] == "What is 41 * 23?"  # the message goes back to the box
+    page = new_page(lambda: ServerBackend.connect(ModelServer(dead, timeout_s=5)), budget_bytes=1 << 30)
+    outputs = page_chat(page, "What is 41 * 23?", tools=["Calculator"])
+    assert outputs[-1].status == f"error: model server {dead} is not reachable: connection refused"
+    assert outputs[-1].msg == "What is 41 * 23?"  # the message goes back to the box
     with pytest.raises(gr.Error, match="is not reachable: connection refused"):
-        service.api_ask("What is 41 * 23?")
+        page.api.ask("What is 41 * 23?")
 
 
 def service_prompt() -> str:
@@ -436,15 +441,13 @@ def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_t
         episode = engine.ask(session, "What is 12 * 9?", SETTINGS)
         assert episode.error is None and episode.segments[1].text.startswith("108")
 
-        service = ChatService(loader=lambda: backend, store=SessionStore(budget_bytes=1 << 30, idle_timeout_s=3600))
-        page = types.SimpleNamespace(session_hash="page-1")
-        outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
-                                    service_prompt(), page))
-        assert outputs[-1][2] == f"error: {expected}"
+        page = new_page(lambda: backend, budget_bytes=1 << 30)
+        outputs = page_chat(page, "What is 41 * 23?")
+        assert outputs[-1].status == f"error: {expected}"
         with pytest.raises(gr.Error, match="rejected the guide's grammar") as caught:
-            service.api_ask("What is 12 * 9?")
+            page.api.ask("What is 12 * 9?")
         assert expected in str(caught.value)
-        assert "error" not in service.api_ask("What is 12 * 9?", {"guide": False})
+        assert "error" not in page.api.ask("What is 12 * 9?", {"guide": False})
 
         env = {**os.environ, "MODEL_SERVER_URL": url}
         done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?", "--max-length", "4096"],
@@ -452,10 +455,9 @@ def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_t
         assert done.returncode == 1 and f"[error: {expected}]" in done.stdout, (done.stdout, done.stderr)
 
         broken.clear()  # the page's session goes on: its next guided turn is answered
-        outputs = list(service.chat("What is 41 * 23?", True, 4096, 48, 4, 0, ["Calculator", "Search"],
-                                    service_prompt(), page))
-        assert outputs[-1][2] == "done · protocol textenv"
-        assert service.store.get("page-1").session.episodes[-1].answer.startswith("Result = 943")
+        outputs = page_chat(page, "What is 41 * 23?")
+        assert outputs[-1].status == "done · protocol textenv"
+        assert page.service.store.get("page-1").session.episodes[-1].answer.startswith("Result = 943")
         httpd.shutdown()
 
 

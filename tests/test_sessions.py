@@ -18,11 +18,25 @@ class FakeCache:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.ids = [1] * 10
+        self.prefix = None  # (no shared prompt read)
         self.dropped = 0
 
     def drop_kv(self):
         self.nbytes = 0
         self.dropped += 1
+
+
+class SharedBytes:
+    """SharedPrompts (app/serving/sessions.py) holding `nbytes` of prompts, none of which it can let go of."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def kv_bytes(self, read) -> int:
+        return self.nbytes
+
+    def release(self, read) -> int:
+        return 0
 
 
 class FakeSession:
@@ -74,11 +88,13 @@ def test_budget_drops_several_and_skips_a_running_session():
 
 
 def test_shared_prompt_bytes_count_in_the_budget():
-    store = SessionStore(budget_bytes=250, idle_timeout_s=3600)
+    shared = SharedBytes(0)
+    store = SessionStore(budget_bytes=250, idle_timeout_s=3600, prompts=shared)
     s = filled(store, {"a": 100, "b": 100})
     assert store.enforce_budget() == []
-    assert store.enforce_budget(shared_bytes=100) == ["a"]  # 100 shared + 200 sessions > 250
-    assert s["b"].cache.nbytes == 100 and store.stats(shared_bytes=100).shared_bytes == 100
+    shared.nbytes = 100
+    assert store.enforce_budget() == ["a"]  # 100 shared + 200 sessions > 250
+    assert s["b"].cache.nbytes == 100 and store.stats().shared_bytes == 100
 
 
 def test_a_turn_waits_while_running_turns_spend_the_budget():
@@ -89,11 +105,11 @@ def test_a_turn_waits_while_running_turns_spend_the_budget():
     started, events = threading.Event(), []
 
     def second():
-        with store.turn_slot(lambda: 0):
+        with store.turn_slot():
             events.append("b started")
             started.set()
 
-    with store.turn_slot(lambda: 0):  # a's turn runs: its cache is in use
+    with store.turn_slot():  # a's turn runs: its cache is in use
         s["a"].lock.acquire()
         s["b"].lock.acquire()  # b's turn is about to run too: its cache cannot be dropped either
         thread = threading.Thread(target=second)
@@ -111,14 +127,14 @@ def test_a_turn_waits_while_running_turns_spend_the_budget():
 def test_running_turns_reserve_room_for_what_they_add():
     """Regression (load test, 20 chats at once under a 64 MB budget, peak 259 MB): turns arriving together all
     saw the same free room and all started; each running turn now holds its reservation until it ends."""
-    store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
+    store = SessionStore(budget_bytes=100, idle_timeout_s=3600, prompts=SharedBytes(50))
     started = threading.Event()
 
     def second():
-        with store.turn_slot(lambda: 50, reserve=30):
+        with store.turn_slot(reserve=30):
             started.set()
 
-    with store.turn_slot(lambda: 50, reserve=30):  # fits: 50 shared + 30 reserved
+    with store.turn_slot(reserve=30):  # fits: 50 shared + 30 reserved
         thread = threading.Thread(target=second)
         thread.start()
         assert not started.wait(0.3)  # the sessions hold nothing, but 50 + 30 + 30 > 100: it waits
@@ -137,15 +153,15 @@ def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
     filled it, so what it took on counted twice and turns waited with the budget's room unused (peak 50-52 MB
     of 64). With `fills`, `reserve` is what that cache will hold by the job's end: held counts as held, the rest
     as reserved; a job without one reserves its bytes whole (an `/ask`'s session, Compare's forks)."""
-    store = SessionStore(budget_bytes=100, idle_timeout_s=3600)
+    store = SessionStore(budget_bytes=100, idle_timeout_s=3600, prompts=SharedBytes(40))
     running = filled(store, {"a": 10})["a"]
     started = threading.Event()
 
     def second():
-        with store.turn_slot(lambda: 40, reserve=20):
+        with store.turn_slot(reserve=20):
             started.set()
 
-    with running.lock, store.turn_slot(lambda: 40, reserve=40, fills=running.cache):  # 40 + 10 held + 30
+    with running.lock, store.turn_slot(reserve=40, fills=running.cache):  # 40 + 10 held + 30
         assert counted(store) == 30
         running.cache.nbytes = 40  # it took on its 30: 40 + 40 held + 0 reserved (counted twice: 110)
         assert counted(store) == 0
@@ -155,7 +171,7 @@ def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
         thread.join()
         running.cache.nbytes = 60  # past it: all held, none reserved
         assert counted(store) == 0
-    with store.turn_slot(lambda: 40, reserve=30):  # (no cache given: the reservation stays whole)
+    with store.turn_slot(reserve=30):  # (no cache given: the reservation stays whole)
         assert counted(store) == 30
 
 
@@ -165,7 +181,7 @@ def test_two_jobs_filling_one_cache_each_count_what_they_will_add():
     end size less what the cache holds, so together they count more, never less."""
     store = SessionStore(budget_bytes=1000, idle_timeout_s=3600)
     cache = filled(store, {"a": 10})["a"].cache
-    with store.turn_slot(lambda: 0, reserve=40, fills=cache), store.turn_slot(lambda: 0, reserve=40, fills=cache):
+    with store.turn_slot(reserve=40, fills=cache), store.turn_slot(reserve=40, fills=cache):
         assert counted(store) == 60  # 30 + 30
         cache.nbytes = 30
         assert counted(store) == 20  # 10 + 10 (and 30 held)
@@ -181,17 +197,17 @@ def test_a_waiting_turns_cache_is_not_dropped_and_a_dropped_one_is_reserved_whol
     started = threading.Event()
 
     def waiting():
-        with store.turn_slot(lambda: 0, reserve=40, fills=sessions["mine"].cache):
+        with store.turn_slot(reserve=40, fills=sessions["mine"].cache):
             started.set()
 
-    with store.turn_slot(lambda: 0, reserve=50):  # running: 60 held + 50 reserved
+    with store.turn_slot(reserve=50):  # running: 60 held + 50 reserved
         thread = threading.Thread(target=waiting)
         thread.start()  # 60 + 50 + 10 > 100: the least recently used cache is its own ("mine"), kept; "idle" goes
         assert started.wait(5)
         thread.join()
     assert sessions["mine"].cache.dropped == 0 and sessions["idle"].cache.dropped == 1
     sessions["mine"].cache.drop_kv()  # dropped before its turn: all 40 again
-    with store.turn_slot(lambda: 0, reserve=40, fills=sessions["mine"].cache):
+    with store.turn_slot(reserve=40, fills=sessions["mine"].cache):
         assert counted(store) == 40
         store.get("mine").session = None  # a new chat: the cache left the store; it counts whole
         sessions["mine"].cache.nbytes = 50
@@ -220,7 +236,7 @@ def test_jobs_waiting_for_room_start_in_the_order_they_came():
 
     def job(name: str, reserve: int, ahead: int) -> threading.Thread:
         def run() -> None:
-            with store.turn_slot(lambda: 0, reserve=reserve):
+            with store.turn_slot(reserve=reserve):
                 order.append(name)
 
         thread = threading.Thread(target=run)
@@ -228,7 +244,7 @@ def test_jobs_waiting_for_room_start_in_the_order_they_came():
         until(lambda: queued(store) == ahead + 1 or order)  # it has come and waits (or, wrongly, has run)
         return thread
 
-    with store.turn_slot(lambda: 0, reserve=60):  # running
+    with store.turn_slot(reserve=60):  # running
         big = job("big", 50, ahead=0)  # 60 + 50 > 100: waits
         assert order == []
         small = job("small", 10, ahead=1)  # 60 + 10 fits, but the big one came first
@@ -245,16 +261,16 @@ class NoWaiting(threading.Condition):
 
 
 def test_one_turn_always_runs_and_a_stopped_one_does_not_wait():
-    store = SessionStore(budget_bytes=10, idle_timeout_s=3600)
+    store = SessionStore(budget_bytes=10, idle_timeout_s=3600, prompts=SharedBytes(50))
     store._turns = NoWaiting()
     s = filled(store, {"a": 100})
     s["a"].lock.acquire()  # a turn runs in "a": its cache cannot be dropped to make room
     ran = []
-    with store.turn_slot(lambda: 50):  # over the budget on its own: it runs, being the only one
+    with store.turn_slot():  # over the budget on its own: it runs, being the only one
         ran.append("alone")
         stop = threading.Event()
         stop.set()
-        with store.turn_slot(lambda: 50, cancel=stop):  # stopped: it starts at once, to stop at its first step
+        with store.turn_slot(cancel=stop):  # stopped: it starts at once, to stop at its first step
             ran.append("stopped")
     s["a"].lock.release()
     assert ran == ["alone", "stopped"] and s["a"].cache.dropped == 0

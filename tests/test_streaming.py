@@ -113,13 +113,23 @@ def test_a_closed_stream_returns_at_once_and_its_handler_closes_on_a_thread():
 
 def test_the_pages_streaming_handlers_close_off_the_event_loop(tiny_llama):
     """The page's turns, Compare and Batch, and the /chat API are registered wrapped (closes_elsewhere)."""
-    from app.serving.sessions import MB, SessionStore
-    from components.handlers import ChatService
-    from components.layout import build_demo
+    import inspect
 
-    service = ChatService(loader=lambda: tiny_llama, store=SessionStore(budget_bytes=512 * MB, idle_timeout_s=3600))
-    demo = build_demo(service)
+    from app.serving import MB, Service
+    from components.layout import build_demo
+    from components.page import Page
+
+    def handler_of(wrapped):
+        """The handler that closes_elsewhere wraps: through components.wiring.page_event's adapter (its `handler`)
+        where the page's typed updates are wired."""
+        inner = wrapped.__wrapped__
+        return inspect.getclosurevars(inner).nonlocals.get("handler", inner)
+
+    page = Page(Service(loader=lambda: tiny_llama, budget_bytes=512 * MB, idle_timeout_s=3600))
+    demo = build_demo(page)
     by_name = {fn.api_name: fn.fn for fn in demo.fns.values()}
-    for name, method in [("ui_turn", "chat_page"), ("ui_submit", "chat_page"), ("ui_compare", "compare"),
-                         ("ui_batch", "batch"), ("chat", "api_chat")]:
-        assert getattr(by_name[name], "__wrapped__", None) == getattr(service, method), name
+    for name, handler in [("ui_turn", page.chat.turn), ("ui_submit", page.chat.turn), ("ui_compare", page.chat.compare),
+                          ("ui_compare_guide", page.chat.compare_guide), ("ui_batch", page.batch.run),
+                          ("chat", page.api.chat)]:
+        assert getattr(by_name[name], "__wrapped__", None) is not None, name
+        assert handler_of(by_name[name]) == handler, name

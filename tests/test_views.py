@@ -14,7 +14,6 @@ from gradio.utils import get_upload_folder
 
 from app.decoding.stops import Stop, StopReason
 from app.engine.comparisons import Comparison, GuideComparison
-from app.protocols.textenv.prompt import default_prompt_template
 from app.engine.rewards import builtin_questions, exact_match
 from app.episode import Episode, Provenance, Segment
 from app.settings import MAX_QUESTION_CHARS, InputError
@@ -23,12 +22,11 @@ from components.batch import (BatchRun, Item, accuracy, batch_frame, batch_summa
 from components.compare import compare_markdown, guide_markdown
 from components.timing import prefill_frame, segment_order, time_frame, timing_summary
 from tests.conftest import plan_text
-from tests.support.page import (ALONE, CLAIMED, calculator_episode, make_service, plain, request, turn,
-                                writing_service)
+from tests.support.page import (ALONE, CLAIMED, calculator_episode, make_page, page_settings, plain, request, turn,
+                                writing_page)
 
 CALL_STOP = Stop(StopReason.STRING_MATCH, string="<call>")
 SUBMIT_STOP = Stop(StopReason.STRING_MATCH, string="<submit>")
-SETTINGS = (True, 4096, 16, 4, 0)  # use_cache, max_length, max_new_tokens, max_turns, temperature
 TOOLS = ["Calculator", "Search"]
 
 
@@ -58,10 +56,10 @@ def test_timing_frames_equal_the_segment_stats():
     frame = prefill_frame([first, second])
     segments = [(1, s) for s in first.segments] + [(2, s) for s in second.segments]
     assert len(frame) == 2 * len(segments)
-    for (turn, segment), (_, new), (_, reused) in zip(segments, frame.iloc[0::2].iterrows(),
-                                                      frame.iloc[1::2].iterrows()):
+    for (number, segment), (_, new), (_, reused) in zip(segments, frame.iloc[0::2].iterrows(),
+                                                        frame.iloc[1::2].iterrows()):
         assert (new["part"], new["tokens"], new["kind"], new["turn"]) == ("new", segment.prefill_tokens,
-                                                                          segment.kind, turn)
+                                                                          segment.kind, number)
         assert (reused["part"], reused["tokens"]) == ("reused", segment.cached_tokens)
         assert new["ms"] == reused["ms"] == round(segment.ms, 1)
         assert new["segment"] == reused["segment"]
@@ -216,45 +214,46 @@ def answers_plan(tokenizer, runs: int, *answers: tuple[str, ...]) -> dict[int, i
 CALC = ("<request><Calculator>41 * 23<call>", "Result = 943<submit>")
 
 
-def compare_outputs(service, message="", key="page-1", tools=TOOLS, prompt=None):
-    prompt = default_prompt_template() if prompt is None else prompt
-    return list(service.compare(message, *SETTINGS, tools, prompt, request(key)))
+def compare_outputs(page, message="", key="page-1", tools=TOOLS, prompt=None):
+    return list(page.chat.compare(message, page_settings(tools=tools, prompt=prompt), request(key)))
 
 
 def test_compare_runs_cache_on_and_off_with_identical_text_and_leaves_the_chat(tiny_llama, tokenizer):
-    service, loaded = make_service(tiny_llama, answers_plan(tokenizer, 2, CALC))
-    outputs = compare_outputs(service, "What is 41 * 23?")  # no chat yet: a fresh session
-    assert outputs[0][1].startswith("running")
-    text, status, _ = outputs[-1]
+    page, loaded = make_page(tiny_llama, answers_plan(tokenizer, 2, CALC))
+    outputs = compare_outputs(page, "What is 41 * 23?")  # no chat yet: a fresh session
+    assert outputs[0].status.startswith("running")
+    text, status = outputs[-1].compare_result, outputs[-1].status
     assert status == "done · protocol textenv"
     assert "identical tokens: yes" in text and "| | cache on | cache off |" in text
     assert text.count("Result = 943&lt;submit&gt;") == 2
-    assert service.store.peek("page-1").session is None  # compare never creates or changes the chat
+    assert page.service.store.peek("page-1").session is None  # compare never creates or changes the chat
     # with a chat: an empty message box runs the chat's last turn again, on forks of the session from before it
     loaded.model.plan, loaded.model.step = answers_plan(tokenizer, 3, CALC), 0
-    turn(service, "What is 41 * 23?")
-    session = service.store.peek("page-1").session
+    turn(page, "What is 41 * 23?")
+    session = page.service.store.peek("page-1").session
     before = (list(session.cache.ids), len(session.episodes))
-    text, status, _ = compare_outputs(service, "")[-1]
+    last = compare_outputs(page, "")[-1]
+    text, status = last.compare_result, last.status
     assert status == "done · protocol textenv" and "Question: What is 41 \\* 23?" in text and "identical tokens: yes" in text
     assert (session.cache.ids, len(session.episodes)) == before
-    assert service.store.peek("page-1").session is session
+    assert page.service.store.peek("page-1").session is session
 
 
 def test_compare_errors_are_messages(tiny_llama):
-    service, _ = make_service(tiny_llama)
-    assert compare_outputs(service, "  ")[-1][1].startswith("error: nothing to compare")
-    assert compare_outputs(service, "x", prompt="  ")[-1][1].startswith("error: the system prompt is empty")
+    page, _ = make_page(tiny_llama)
+    assert compare_outputs(page, "  ")[-1].status.startswith("error: nothing to compare")
+    assert compare_outputs(page, "x", prompt="  ")[-1].status.startswith("error: the system prompt is empty")
 
 
 def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, tokenizer):
     answers = (CALC, ("Result = 13<submit>",))
-    service, _ = make_service(tiny_llama, answers_plan(tokenizer, 2, *answers))
+    page, _ = make_page(tiny_llama, answers_plan(tokenizer, 2, *answers))
     text = "What is 41 * 23? | 943\nWhat is ninety-six over eight? | 12"
-    outputs = list(service.batch(text, *SETTINGS, TOOLS, default_prompt_template(), request()))
-    frame, summary, status, download, _ = outputs[-1]
-    assert status == "done · protocol textenv" and outputs[0][2] == "running"
-    assert outputs[0][3].interactive is False and all(o[3] == gr.skip() for o in outputs[1:-1])
+    outputs = list(page.batch.run(text, page_settings(), request()))
+    last = outputs[-1]
+    frame, summary, status, download = last.batch_results, last.batch_summary, last.batch_status, last.batch_download
+    assert status == "done · protocol textenv" and outputs[0].batch_status == "running"
+    assert outputs[0].batch_download.interactive is False and all(o.batch_download is None for o in outputs[1:-1])
     assert download.interactive is True and download.value["orig_name"] == "batch-episodes.jsonl"
     path = Path(download.value["path"])  # in Gradio's cache folder, which serves it, in a folder of its own
     assert path.parent.parent == Path(get_upload_folder()).resolve() and path.parent.name.startswith("textenv-batch-")
@@ -266,7 +265,7 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
         assert line["guide"] is False and set(line["provenance"]) <= {"user", "tool", "model"}
         assert line["mask"] == [int(p == "model") for p in line["provenance"]]
     assert "tool" in lines[0]["provenance"] and lines[0]["answer"] == "Result = 943"
-    assert any("cache off" in str(o[2]) for o in outputs)
+    assert any("cache off" in str(o.batch_status) for o in outputs)
     assert isinstance(frame, pd.DataFrame) and list(frame["reward"]) == ["1", "0"]
     assert list(frame["answer"]) == ["Result = 943", "Result = 13"]
     assert frame.loc[0, "stops"] == "string match <call> → string match <submit>"
@@ -274,69 +273,74 @@ def test_batch_runs_twice_with_rewards_accuracy_and_both_totals(tiny_llama, toke
     assert "accuracy: 1/2 = 50%" in summary
     assert "total time, cache on:" in summary and "total time, cache off:" in summary
     assert "identical answers: yes" in summary
-    assert service.store.peek("page-1").session is None  # the chat is untouched
+    assert page.service.store.peek("page-1").session is None  # the chat is untouched
 
 
 def test_batch_input_errors(tiny_llama):
-    service, _ = make_service(tiny_llama)
+    page, _ = make_page(tiny_llama)
     for text, message in [("", "error: no questions"), ("\n".join(["q"] * 17), "error: too many questions")]:
-        outputs = list(service.batch(text, *SETTINGS, TOOLS, "p", request()))
+        outputs = list(page.batch.run(text, page_settings(prompt="p"), request()))
         # (one update: regression, the table of the last results was emptied first, then the error shown)
-        assert len(outputs) == 1 and outputs[0][:2] == (gr.skip(), gr.skip()) and outputs[0][2].startswith(message)
-    assert list(service.batch("q", *SETTINGS, ["Shell"], "p", request()))[-1][2].startswith("error: unknown tool")
-    assert list(service.batch("q", *SETTINGS, TOOLS, "", request()))[-1][2].startswith(
+        assert len(outputs) == 1 and outputs[0].batch_results is None and outputs[0].batch_summary is None
+        assert outputs[0].batch_status.startswith(message)
+    assert list(page.batch.run("q", page_settings(tools=["Shell"], prompt="p"), request()))[-1].batch_status.startswith(
+        "error: unknown tool")
+    assert list(page.batch.run("q", page_settings(prompt=""), request()))[-1].batch_status.startswith(
         "error: the system prompt is empty")
-    assert "Result" not in service.builtin_batch().splitlines()[0]
-    assert service.builtin_batch().splitlines()[0] == "What is 41 * 23? | 943"
+    assert "Result" not in page.batch.builtin_batch().splitlines()[0]
+    assert page.batch.builtin_batch().splitlines()[0] == "What is 41 * 23? | 943"
 
 
 def test_custom_prompt_and_tool_subset_are_used_and_a_change_starts_a_new_chat(tiny_llama):
-    service, _ = make_service(tiny_llama, eos_ids=frozenset())
+    page, _ = make_page(tiny_llama, eos_ids=frozenset())
     custom = "You are Custom Bot. Tools you may call:\n{tools}\n"
-    chat, _, status, tokens, *_ = turn(service, "hi", tools=["Calculator"], prompt=custom, max_new_tokens=2)[-1]
-    assert plain(status) == "done"
-    system = tokens[0]
+    shown = turn(page, "hi", tools=["Calculator"], prompt=custom, max_new_tokens=2)[-1]
+    assert plain(shown.status) == "done"
+    system = shown.tokens[0]
     assert system[1] == "system" and system[0].startswith("You are Custom Bot. Tools you may call:\n- Calculator:")
     assert "- Search:" not in system[0] and "{tools}" not in system[0]
-    entry = service.store.peek("page-1")
+    entry = page.service.store.peek("page-1")
     assert entry.prompt == custom and entry.engine_key == ("textenv", "Calculator")
     first = entry.session
     # same prompt again: the chat continues
-    turn(service, "more", tools=["Calculator"], prompt=custom, max_new_tokens=2)
+    turn(page, "more", tools=["Calculator"], prompt=custom, max_new_tokens=2)
     assert entry.session is first and len(first.episodes) == 2
     # a changed prompt starts a new chat with a visible note
-    chat, _, status, tokens, *_ = turn(service, "again", tools=["Calculator"], prompt="Other. {tools}",
-                                      max_new_tokens=2)[-1]
-    assert plain(status) == "done" and entry.session is not first and len(entry.session.episodes) == 1
+    shown = turn(page, "again", tools=["Calculator"], prompt="Other. {tools}", max_new_tokens=2)[-1]
+    chat = shown.chat
+    assert plain(shown.status) == "done" and entry.session is not first and len(entry.session.episodes) == 1
     assert chat[0]["metadata"]["title"] == "Note" and "System prompt changed" in chat[0]["content"]
-    assert tokens[0][0].startswith("Other. - Calculator:")
+    assert shown.tokens[0][0].startswith("Other. - Calculator:")
     # an empty prompt is an error; the chat is kept
-    chat, textbox, status, *_ = turn(service, "keep me", prompt="   ")[-1]
-    assert status.startswith("error: the system prompt is empty") and textbox == "keep me"
+    shown = turn(page, "keep me", prompt="   ")[-1]
+    assert shown.status.startswith("error: the system prompt is empty") and shown.msg == "keep me"
     assert len(entry.session.episodes) == 1
     kept = entry.session
-    chat, _, status, *_ = turn(service, "keep me", tools=["Calculator"], prompt="".join(chr(0x4E00 + i) for i in range(7000)))[-1]
-    assert status.startswith("error: the system prompt has") and entry.session is kept  # nothing lost
-    assert "System prompt changed" in chat[0]["content"] and len(chat) > 1
-    chat, _, status, *_ = turn(service, "keep me", prompt="x" * 8001)[-1]
-    assert status == "error: the system prompt is too long (8001 characters, at most 8000)" and entry.session is kept
+    shown = turn(page, "keep me", tools=["Calculator"], prompt="".join(chr(0x4E00 + i) for i in range(7000)))[-1]
+    assert shown.status.startswith("error: the system prompt has") and entry.session is kept  # nothing lost
+    assert "System prompt changed" in shown.chat[0]["content"] and len(shown.chat) > 1
+    shown = turn(page, "keep me", prompt="x" * 8001)[-1]
+    assert shown.status == "error: the system prompt is too long (8001 characters, at most 8000)"
+    assert entry.session is kept
 
 
 def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
-    service, _ = make_service(tiny_llama, answers_plan(tokenizer, 1, CALC))
-    tokens_plot, ms_plot, summary = service.timing(request())
+    page, _ = make_page(tiny_llama, answers_plan(tokenizer, 1, CALC))
+    on_load = page.chat.refresh(request())  # (page load: the charts of the visitor's chat, none yet)
+    tokens_plot, ms_plot, summary = on_load.timing, on_load.timing_ms, on_load.timing_text
     assert tokens_plot.value is None or tokens_plot.value["data"] == []
     assert summary == "Timing: no turns yet"
     # Regression (seen in Chromium): New chat sent `sort=[]` with the empty frames, and a change of `sort` redraws
     # the chart from its previous data, so it kept the last chat's bars; the empty data alone clears them
     assert "sort" not in tokens_plot.constructor_args and "sort" not in ms_plot.constructor_args
     assert tokens_plot.value["datatypes"]["tokens"] == ms_plot.value["datatypes"]["ms"] == "quantitative"
-    submitted = service.submit("What is 41 * 23?", [], request())[1]
-    outputs = list(service.chat_page(submitted, *SETTINGS, TOOLS, default_prompt_template(), request()))
-    assert all(o[6:] == (gr.skip(),) * 3 for o in outputs[:-1])  # the charts come with the final status
-    assert outputs[-1][2] == "done · protocol textenv"
-    tokens_plot, ms_plot, summary = outputs[-1][6:]
-    episode = service.store.peek("page-1").session.episodes[-1]
+    _, submitted, _ = page.chat.submit("What is 41 * 23?", [], request())
+    outputs = list(page.chat.turn(submitted, page_settings(), request()))
+    # the charts come with the final status
+    assert all(o.timing is None and o.timing_ms is None and o.timing_text is None for o in outputs[:-1])
+    assert outputs[-1].status == "done · protocol textenv"
+    tokens_plot, ms_plot, summary = outputs[-1].timing, outputs[-1].timing_ms, outputs[-1].timing_text
+    episode = page.service.store.peek("page-1").session.episodes[-1]
     assert summary == timing_summary([episode])
     frame = prefill_frame([episode])
     assert tokens_plot.sort == segment_order(frame) == ["T1.1 model", "T1.2 tool", "T1.3 model"]
@@ -346,20 +350,18 @@ def test_timing_handler_follows_the_chat(tiny_llama, tokenizer):
 
 def test_stop_during_compare_stops_both_runs(tiny_llama):
     """Regression: compare ignored Stop and ran both long runs to the end while holding the model."""
-    service, loaded = make_service(tiny_llama, eos_ids=frozenset())
-    settings = list(SETTINGS)
-    settings[2] = 400  # max_new_tokens
+    page, loaded = make_page(tiny_llama, eos_ids=frozenset())
     forward = loaded.model.forward
 
     def forward_then_stop(*args, **kwargs):  # Stop pressed a few tokens into the cached run
         if loaded.model.step == 3:
-            service.stop(request())
+            page.chat.stop(request())
         return forward(*args, **kwargs)
 
     loaded.model.forward = forward_then_stop
-    ticket = service.ticket(request())
-    text, status, _ = list(service.compare("go on", *settings, TOOLS, default_prompt_template(), request(),
-                                        ticket=ticket))[-1]
+    ticket = page.chat.ticket(request())
+    last = list(page.chat.compare("go on", page_settings(max_new_tokens=400), request(), ticket=ticket))[-1]
+    text, status = last.compare_result, last.status
     assert status == "done (stopped by user) · protocol textenv" and text.count("stopped by user") == 3  # both runs + the verdict
     assert "speed-up with the cache" not in text and "identical tokens: " not in text  # no verdict from cut-short runs
     assert loaded.model.step < 20
@@ -367,28 +369,28 @@ def test_stop_during_compare_stops_both_runs(tiny_llama):
 
 def test_new_chat_during_a_batch_leaves_the_batch_running(tiny_llama):
     """Regression: New chat set the visitor's stop signal, which the batch on the other tab obeys too."""
-    service, loaded = make_service(tiny_llama, eos_ids=frozenset())
+    page, loaded = make_page(tiny_llama, eos_ids=frozenset())
     forward = loaded.model.forward
 
     def forward_then_new_chat(*args, **kwargs):
         if loaded.model.step == 2:
-            service.new_chat(request())
+            page.chat.new_chat(request())
         return forward(*args, **kwargs)
 
     loaded.model.forward = forward_then_new_chat
-    frame, summary, status, *_ = list(service.batch("one\ntwo", *SETTINGS, TOOLS, default_prompt_template(),
-                                                   request(), ticket=service.batch_ticket(request())))[-1]
+    last = list(page.batch.run("one\ntwo", page_settings(), request(), ticket=page.batch.ticket(request())))[-1]
+    frame, summary, status = last.batch_results, last.batch_summary, last.batch_status
     assert status == "done · protocol textenv" and "total time, cache off" in summary
     assert "stopped by user" not in " ".join(frame["stops"])
 
 
 # ---- guided answers: Compare guide and the Batch tab's JSONL ---------------------------------------------------
 def test_compare_guide_runs_the_question_with_the_guide_on_and_off_and_leaves_the_chat(tiny_llama):
-    service = writing_service(tiny_llama, ALONE)
-    outputs = list(service.compare_guide(CLAIMED, True, 4096, 24, 4, 0, TOOLS, default_prompt_template(), request(),
-                                         guide=False))  # (the checkbox does not matter: both runs are made)
-    assert outputs[0][1] == "running: compare (guide on, then off)"
-    text, status, _ = outputs[-1]
+    page = writing_page(tiny_llama, ALONE)
+    outputs = list(page.chat.compare_guide(CLAIMED, page_settings(max_new_tokens=24, guide=False),
+                                           request()))  # (the checkbox does not matter: both runs are made)
+    assert outputs[0].status == "running: compare (guide on, then off)"
+    text, status = outputs[-1].compare_result, outputs[-1].status
     assert plain(status) == "done" and "| | guide on | guide off |" in text
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in text.splitlines() if " | " in line}
     assert rows["answer"][0].startswith("&lt;request&gt;&lt;Calculator&gt;2 \\+ 2 \\* 3&lt;call&gt;")
@@ -396,16 +398,16 @@ def test_compare_guide_runs_the_question_with_the_guide_on_and_off_and_leaves_th
     assert rows["tool calls"] == ["Calculator: 2 \\+ 2 \\* 3", "none |"]
     assert int(rows["tokens forced by the guide"][0]) > 0 and rows["tokens forced by the guide"][1] == "0 |"
     assert "same answer: no" in text
-    assert service.store.peek("page-1").session is None  # the chat is untouched
+    assert page.service.store.peek("page-1").session is None  # the chat is untouched
 
 
 def test_a_guided_batchs_jsonl_marks_the_guides_tokens_out_of_the_mask(tiny_llama):
-    service = writing_service(tiny_llama, ALONE)
-    *_, (_, _, _, first, _) = service.batch("What is 1 + 1?", True, 4096, 24, 4, 0, TOOLS, default_prompt_template(),
-                                         request("other"), guide=True)
+    page = writing_page(tiny_llama, ALONE)
+    guided = page_settings(max_new_tokens=24, guide=True)
+    first = list(page.batch.run("What is 1 + 1?", guided, request("other")))[-1].batch_download
     path = Path(first.value["path"])
-    *_, (_, _, status, download, _) = service.batch(f"{CLAIMED} | 8", True, 4096, 24, 4, 0, TOOLS,
-                                                 default_prompt_template(), request(), guide=True)
+    last = list(page.batch.run(f"{CLAIMED} | 8", guided, request()))[-1]
+    status, download = last.batch_status, last.batch_download
     assert plain(status) == "done"
     (line,) = [json.loads(line) for line in open(download.value["path"], encoding="utf-8")]
     assert Path(download.value["path"]).parent != path.parent  # (each batch's file in a folder of its own)
