@@ -97,7 +97,7 @@ def test_a_look_up_answers_with_the_best_entry_it_found(engine, question, query)
         # the grammar lets the line go on (")" or ")<" of ")<submit>": the model picks which)
         answer = episode.segments[-1]
         quoted = answer.text.index(entry)
-        ends = [len(engine._decode(episode.token_ids[answer.start - episode.query_start:][:n]))
+        ends = [len(engine.backend.tokenizer.decode(episode.token_ids[answer.start - episode.query_start:][:n]))
                 for n in range(1, answer.end - answer.start + 1)]
         inside = [p for p, end in zip(answer.token_provenance(), ends) if quoted + len(entry) > end > quoted + 1]
         assert inside and all(p.value in ("forced", "steered") for p in inside), inside

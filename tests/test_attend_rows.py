@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig
 
 from app.kernels import native
 from app.kernels.attend_rows import BATCH_TOKENS, Batch, available, batched
 from app.model.kvcache import new_kv
-from app.model.ragged import _attend, causal_mask
+from app.model.ragged import causal_mask
 from tests.native_support import AVX512, c_library, needs
 
 
@@ -83,8 +84,9 @@ def _reference(row: FakeRow, case: Case, q, k, v, span, scale: float) -> torch.T
         held.append((row.kv.layers[0].keys[:, :, :case.past], row.kv.layers[0].values[:, :, :case.past]))
     keys = torch.cat([part[0] for part in held] + [k[:, :, a:b]], dim=2)
     values = torch.cat([part[1] for part in held] + [v[:, :, a:b]], dim=2)
-    return _attend(q[:, :, a:b], keys, values, causal_mask(case.n, keys.shape[2] - case.n, None), scale)[0] \
-        .transpose(0, 1)
+    mask = causal_mask(case.n, keys.shape[2] - case.n, None)
+    return F.scaled_dot_product_attention(q[:, :, a:b], keys, values, attn_mask=mask, scale=scale, enable_gqa=True,
+                                          is_causal=mask is None and case.n > 1)[0].transpose(0, 1)
 
 
 CASES = [

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from app.engine.engine import Engine
-from app.model.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache, new_kv
+from app.model.kvcache import GROW_TOKENS, CacheInvariantError, TokenCache, new_kv, room_for
 from app.protocols.base import encode
 from app.settings import Settings
 from tests.conftest import forced, logit_tolerance, plan_text, prime
@@ -137,7 +137,7 @@ def test_invariant_check_catches_a_desynced_cache(tiny_llama):
     cache.truncate(2)
     cache.extend([9, 10])
     cache.forward(tiny_llama.model)  # fine: cropped to the common prefix, then fed the rest
-    cache._ids[0] = 99  # simulate a bug: ids changed under the cache
+    cache.ids[0] = 99  # simulate a bug: ids changed under the cache (read-only by convention only)
     cache.extend([11])
     with pytest.raises(CacheInvariantError):
         cache.forward(tiny_llama.model)
@@ -233,13 +233,13 @@ def test_a_growing_layer_holds_a_count_and_reads_as_views_of_its_storage():
     kv.crop(-2)
     assert layer.get_seq_length() == 6 and layer.keys.shape[-2] == 6 and torch.equal(layer.keys[..., :5, :], first[0])
     layer.keys, layer.values = layer.keys[..., :4, :], layer.values[..., :4, :]  # transformers' crop: a view
-    assert layer.get_seq_length() == 4 and layer._storage is not None
+    assert layer.get_seq_length() == 4 and layer.room == room_for(8)  # (still in its storage)
     copied = copy.deepcopy(kv)
     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # another tensor: a plain layer now
-    assert layer._storage is None and layer.get_seq_length() == 4 and torch.equal(layer.keys, first[0][..., :4, :])
+    assert layer.room == 0 and layer.get_seq_length() == 4 and torch.equal(layer.keys, first[0][..., :4, :])
     more = [torch.randn(1, 2, 2, 16, generator=gen) for _ in range(2)]
     layer.update(*more)
-    assert layer._storage is not None and torch.equal(layer.keys, torch.cat([first[0][..., :4, :], more[0]], dim=-2))
+    assert layer.room == room_for(6) and torch.equal(layer.keys, torch.cat([first[0][..., :4, :], more[0]], dim=-2))
     assert copied.get_seq_length() == 4 and torch.equal(copied.layers[0].values, first[1][..., :4, :])
 
 

@@ -205,10 +205,7 @@ def test_ask_defaults_fit_a_backend_with_a_shorter_context_and_a_given_max_lengt
     from app.backends import select
 
     monkeypatch.setattr(select, "load_backend", lambda: short_llama)
-    budgets = []
-    monkeypatch.setattr(cli, "_summary", lambda episode: budgets.append(episode.total_tokens) or "")
-    assert cli.main(["ask", "hi", "--max-new-tokens", "2", "--max-turns", "0"]) == 0
-    assert 0 < budgets[0] <= 1024
-    capsys.readouterr()
+    assert cli.main(["ask", "hi", "--max-new-tokens", "2", "--max-turns", "0", "--json"]) == 0
+    assert 0 < json.loads(capsys.readouterr().out)["total_tokens"] <= 1024
     assert cli.main(["ask", "hi", "--max-length", "4096"]) == 2
     assert capsys.readouterr().err == "error: max_length must be between 1 and 1024\n"

@@ -89,7 +89,7 @@ def test_to_packed_keeps_the_state_dict_and_the_greedy_tokens(tiny_llama):
         got, want = model(ids).logits, plain(ids).logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        assert isinstance(model.lm_head, PackedLinear) and model.lm_head._packed is not None
+        assert isinstance(model.lm_head, PackedLinear) and model.lm_head.prepared
         model.load_state_dict({k: v * 0.5 for k, v in plain.state_dict().items()})
         torch.testing.assert_close(model(ids).logits, _halved(plain)(ids).logits, rtol=1e-4, atol=1e-4)
 

@@ -113,12 +113,12 @@ def test_split_rows_float_holds_split_rows_values():
 
 @pytest.mark.parametrize("rows", [1, 8, 80])
 def test_split_rows_rounds_as_torch_round(rows):
-    """The add-based rounding (app.kernels.int8_rows._round_: torch.round woke the second core for each of an 8-row
+    """The add-based rounding (app.kernels.int8_rows.round_: torch.round woke the second core for each of an 8-row
     step's ~240 roundings) gives torch.round's values, ties to even included."""
-    from app.kernels.int8_rows import _round_
+    from app.kernels.int8_rows import round_
 
     halves = torch.arange(-4 * FINE, 4 * FINE + 1, dtype=torch.float32) / 4  # every quarter in range
-    assert torch.equal(_round_(halves.clone()), torch.round(halves))
+    assert torch.equal(round_(halves.clone()), torch.round(halves))
     x = torch.randn(rows, 1536) * torch.logspace(-4, 3, rows).unsqueeze(1)
     scale = x.abs().amax(dim=-1, keepdim=True).div_(ACT_MAX)
     high = torch.round(x / scale)
@@ -244,11 +244,11 @@ def test_a_model_on_the_exact_kernel_holds_its_weights_at_load(tiny_llama):
     model = LlamaForCausalLM(copy.deepcopy(tiny_llama.model.config))
     to_int8(model, exact=True)
     attn = model.model.layers[0].self_attn
-    assert attn.qkv_proj.exact._held is not None and model.lm_head.exact._held is not None
-    assert attn.q_proj.exact._held is None
+    assert attn.qkv_proj.prepared and model.lm_head.prepared
+    assert not attn.q_proj.prepared
     with torch.inference_mode():
         model(torch.tensor([[5, 6, 7]]))
-    assert attn.q_proj.exact._held is not None
+    assert attn.q_proj.prepared
 
 
 def _int8_tiny(tiny_llama: LoadedModel) -> LoadedModel:
@@ -438,19 +438,18 @@ def test_a_saved_int8_layer_that_does_not_fit_is_quantized_again(tiny_llama):
 
 def test_load_saves_int8_weights_in_the_model_folder_and_reads_them_back(tiny_llama, tmp_path, caplog):
     from app.model.int8 import SAVED_INT8
-    from app.model.loading import _int8
 
-    first = _fresh_llama(tiny_llama)
-    _int8(first, tmp_path)
+    def loaded(folder):  # (as load_model wraps a model converted into `folder`)
+        return wrap(_fresh_llama(tiny_llama), tiny_llama.tokenizer, "tiny", weights="int8", folder=folder).model
+
+    first = loaded(tmp_path)
     saved = tmp_path / SAVED_INT8
     assert saved.exists() and not list(tmp_path.glob("*.tmp*"))
     written = saved.stat().st_mtime_ns
-    second = _fresh_llama(tiny_llama)
-    _int8(second, tmp_path)
+    second = loaded(tmp_path)
     assert saved.stat().st_mtime_ns == written  # read, not written again
     saved.write_bytes(b"not a safetensors file")
-    third = _fresh_llama(tiny_llama)
-    _int8(third, tmp_path)  # quantizes again and replaces the file
+    third = loaded(tmp_path)  # quantizes again and replaces the file
     assert "ignoring unreadable int8 weights" in caplog.text
     ids = torch.randint(5, 1000, (1, 30), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():

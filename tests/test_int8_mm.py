@@ -92,8 +92,8 @@ def test_a_model_on_the_packed_kernel_lays_out_its_weights_at_load_and_keeps_its
     to_int8(plain, exact=False)
     to_int8(packed, exact=False, few=8, packed=True)
     attn = packed.model.layers[0].self_attn
-    assert attn.qkv_proj._packed is not None and packed.lm_head._packed is not None
-    assert attn.q_proj._packed is None  # (a view only transformers' own forward reads: laid out on first use)
+    assert attn.qkv_proj.prepared and packed.lm_head.prepared
+    assert not attn.q_proj.prepared  # (a view only transformers' own forward reads: laid out on first use)
     ids = torch.randint(5, 1000, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         for n in (12, 1, 3):  # 12 tokens through _int_mm, 1 and 3 through the packed kernel
@@ -121,10 +121,10 @@ def test_a_vnni_build_picks_the_packed_kernel_whatever_the_timing_probe_says(tin
 def test_with_amx_inputs_of_any_length_take_the_packed_kernel():
     """The tile unit makes long inputs (a prefill of 8 questions: 104 tokens) fast too, where the VNNI loop alone
     lost to _int_mm beyond 16 tokens; an inner size off its 64-value tiles keeps the limit."""
-    from app.model.int8 import PACKED_FEW_TOKENS, _kernels
+    from app.model.int8 import PACKED_FEW_TOKENS, kernels_for
 
-    assert _kernels(LIKE_SMOLLM2) == (False, None, True)
-    assert _kernels(SimpleNamespace(hidden_size=576, intermediate_size=1000)) == (False, PACKED_FEW_TOKENS, True)
+    assert kernels_for(LIKE_SMOLLM2) == (False, None, True)
+    assert kernels_for(SimpleNamespace(hidden_size=576, intermediate_size=1000)) == (False, PACKED_FEW_TOKENS, True)
 
 
 @needs_amx()

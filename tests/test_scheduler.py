@@ -254,19 +254,18 @@ def test_a_sampled_rows_output_depends_only_on_its_own_seed(tiny_llama, monkeypa
     mine = engine.new_session(seed=7)
     sessions = [engine.new_session(seed=s.seed) for s in others]  # (their shared prompt prefilled before the gate)
     scheduler = tiny_llama.scheduler
-    steps: list[set[int]] = []  # each step's rows, by their caches
-    plan = scheduler._plan
+    steps: list[set[int]] = []  # each step's rows, by their own keys/values (TokenCache.own_kv)
+    real = scheduler_module.ragged.ragged_forward
 
-    def gathered(requests):  # (the scheduler's thread, before each step)
+    def gathered(model, rows):  # (the scheduler's thread, each step's pass)
         if not steps:  # (the first step waits until all four rows are in: its requests and those waiting)
             deadline = time.monotonic() + 10
             while scheduler.pending() < 4 and time.monotonic() < deadline:
                 time.sleep(0.002)
-        chosen = plan(requests)
-        steps.append({id(request.cache) for request, _ in chosen})
-        return chosen
+        steps.append({id(row.kv) for row in rows})
+        return real(model, rows)
 
-    monkeypatch.setattr(scheduler, "_plan", gathered)
+    monkeypatch.setattr(scheduler_module.ragged, "ragged_forward", gathered)
     threads = [threading.Thread(target=lambda s=s, session=session: engine.ask(session, "Go on.", s))
                for s, session in zip(others, sessions)]
     for t in threads:
@@ -275,7 +274,7 @@ def test_a_sampled_rows_output_depends_only_on_its_own_seed(tiny_llama, monkeypa
     for t in threads:
         t.join()
     assert got == alone
-    shared = [step for step in steps if id(mine.cache) in step and len(step) > 1]
+    shared = [step for step in steps if id(mine.cache.own_kv) in step and len(step) > 1]
     assert len(shared) >= sampled.max_new_tokens // 2  # (each row's first pass may come a step apart)
 
 
@@ -373,8 +372,9 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     engine.ask(engine.new_session(), "warm up", Settings(max_new_tokens=2, max_turns=0))
     steps: list[int] = []
     scheduler = engine.backend.scheduler
-    ragged = scheduler._ragged
-    monkeypatch.setattr(scheduler, "_ragged", lambda plan: (steps.append(len(plan)), ragged(plan)))
+    real = scheduler_module.ragged.ragged_forward
+    monkeypatch.setattr(scheduler_module.ragged, "ragged_forward",
+                        lambda model, rows: (steps.append(len(rows)), real(model, rows))[1])
     engine.run([f"question number {i}" for i in range(8)], Settings(max_new_tokens=4, max_turns=0))
     assert steps[0] == 8
     assert scheduler.rows_in_turns() == 0  # every row's scope was left
@@ -395,7 +395,7 @@ def test_a_request_with_an_owner_runs_its_passes_in_the_schedulers_thread_and_fa
             self.row = row
 
         def passed(self, result: PassResult) -> int | None:
-            assert threading.current_thread() is scheduler._thread
+            assert threading.current_thread() is scheduler.thread
             if self.row == 1 and len(caches[1]) > 5:
                 raise RuntimeError("this row's work failed")
             token = int(result.logits[-1].argmax())
@@ -417,19 +417,22 @@ def test_a_request_with_an_owner_runs_its_passes_in_the_schedulers_thread_and_fa
     scheduler.release()
 
 
-def test_the_schedulers_thread_is_released_at_the_process_exit(tiny_llama):
+def test_the_schedulers_thread_is_released_at_the_process_exit(tiny_llama, monkeypatch):
     """Regression: 8 chats at once and then the process's exit aborted it in 3 of 10 runs (a C++ `terminate` in the
     threads' teardown) once rows' per-token work ran in the scheduler's thread. Its thread now ends at exit, before
-    the interpreter's teardown (an atexit hook, by weak reference), after the work in flight."""
+    the interpreter's teardown (an atexit hook, by weak reference), after the work in flight. The hooks registered
+    meanwhile are recorded (and not kept for this process's exit) and the scheduler's is run as the exit would."""
     import atexit
     import weakref
 
+    hooks: list[tuple] = []
+    monkeypatch.setattr(atexit, "register", lambda hook, *args: hooks.append((hook, args)) or hook)
     scheduler = Scheduler(tiny_llama.model)
     scheduler.forward(TokenCache([5, 6, 7]))
-    thread = scheduler._thread
-    assert thread.is_alive() and scheduler._exit_hook
-    registered = atexit._ncallbacks()
+    thread = scheduler.thread
     scheduler.forward(TokenCache([8, 9]))
-    assert atexit._ncallbacks() == registered  # (registered once per scheduler)
-    scheduler_module._release_at_exit(weakref.ref(scheduler))
-    assert not thread.is_alive() and scheduler._thread is None
+    assert thread.is_alive() and scheduler.thread is thread
+    # registered once per scheduler, holding it by weak reference
+    [(hook, args)] = [(h, a) for h, a in hooks if any(isinstance(x, weakref.ref) and x() is scheduler for x in a)]
+    hook(*args)
+    assert not thread.is_alive() and scheduler.thread is None

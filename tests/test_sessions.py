@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -142,12 +143,6 @@ def test_running_turns_reserve_room_for_what_they_add():
     thread.join()
 
 
-def counted(store: SessionStore) -> int:
-    """What the store counts for its running jobs' reservations now."""
-    held = {id(e.session.cache) for e in store._entries.values() if e.session is not None}
-    return sum(job.outstanding(held) for job in store._reserved)
-
-
 def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
     """Regression (load test, 20 chats under 64 MB): a turn's reservation stayed whole while its session's cache
     filled it, so what it took on counted twice and turns waited with the budget's room unused (peak 50-52 MB
@@ -162,17 +157,17 @@ def test_what_a_running_turn_takes_on_counts_once_held_no_longer_reserved():
             started.set()
 
     with running.lock, store.turn_slot(reserve=40, fills=running.cache):  # 40 + 10 held + 30
-        assert counted(store) == 30
+        assert store.reserved_bytes() == 30
         running.cache.nbytes = 40  # it took on its 30: 40 + 40 held + 0 reserved (counted twice: 110)
-        assert counted(store) == 0
+        assert store.reserved_bytes() == 0
         thread = threading.Thread(target=second)
         thread.start()
         assert started.wait(5)  # 40 + 40 + 20 = 100 fits
         thread.join()
         running.cache.nbytes = 60  # past it: all held, none reserved
-        assert counted(store) == 0
+        assert store.reserved_bytes() == 0
     with store.turn_slot(reserve=30):  # (no cache given: the reservation stays whole)
-        assert counted(store) == 30
+        assert store.reserved_bytes() == 30
 
 
 def test_two_jobs_filling_one_cache_each_count_what_they_will_add():
@@ -182,9 +177,9 @@ def test_two_jobs_filling_one_cache_each_count_what_they_will_add():
     store = SessionStore(budget_bytes=1000, idle_timeout_s=3600)
     cache = filled(store, {"a": 10})["a"].cache
     with store.turn_slot(reserve=40, fills=cache), store.turn_slot(reserve=40, fills=cache):
-        assert counted(store) == 60  # 30 + 30
+        assert store.reserved_bytes() == 60  # 30 + 30
         cache.nbytes = 30
-        assert counted(store) == 20  # 10 + 10 (and 30 held)
+        assert store.reserved_bytes() == 20  # 10 + 10 (and 30 held)
 
 
 def test_a_waiting_turns_cache_is_not_dropped_and_a_dropped_one_is_reserved_whole():
@@ -208,23 +203,16 @@ def test_a_waiting_turns_cache_is_not_dropped_and_a_dropped_one_is_reserved_whol
     assert sessions["mine"].cache.dropped == 0 and sessions["idle"].cache.dropped == 1
     sessions["mine"].cache.drop_kv()  # dropped before its turn: all 40 again
     with store.turn_slot(reserve=40, fills=sessions["mine"].cache):
-        assert counted(store) == 40
+        assert store.reserved_bytes() == 40
         store.get("mine").session = None  # a new chat: the cache left the store; it counts whole
         sessions["mine"].cache.nbytes = 50
-        assert counted(store) == 50
+        assert store.reserved_bytes() == 50
 
 
 def until(predicate) -> None:
     """Wait (no deadline: pytest-timeout ends a hang) until `predicate` holds; it reads the store's records."""
     while not predicate():
         time.sleep(0.001)
-
-
-def queued(store: SessionStore) -> int:
-    """How many jobs wait in turn_slot's line. Read under the store's condition: a job appends itself and checks
-    whether it may start under it, so a job counted here has checked and is waiting."""
-    with store._turns:
-        return len(store._queue)
 
 
 def test_jobs_waiting_for_room_start_in_the_order_they_came():
@@ -241,7 +229,7 @@ def test_jobs_waiting_for_room_start_in_the_order_they_came():
 
         thread = threading.Thread(target=run)
         thread.start()
-        until(lambda: queued(store) == ahead + 1 or order)  # it has come and waits (or, wrongly, has run)
+        until(lambda: store.waiting() == ahead + 1 or order)  # it has come and waits (or, wrongly, has run)
         return thread
 
     with store.turn_slot(reserve=60):  # running
@@ -253,28 +241,36 @@ def test_jobs_waiting_for_room_start_in_the_order_they_came():
     assert order == ["big", "small"]
 
 
-class NoWaiting(threading.Condition):
-    """turn_slot's condition, for a test where no job may wait for room: waiting fails the test at once."""
+def started_at_once(store: SessionStore, **slot) -> Callable[[], None]:
+    """Start a job (turn_slot(**slot)) in a thread; fail if it waits in the store's line instead (read
+    from the line itself, no timing: a job counted there has checked that it must wait). Returns its end."""
+    started, leave = threading.Event(), threading.Event()
 
-    def wait(self, timeout=None):
-        raise AssertionError("a job waited for room")
+    def run() -> None:
+        with store.turn_slot(**slot):
+            started.set()
+            leave.wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    until(lambda: started.is_set() or store.waiting())
+    assert started.is_set(), "a job waited for room"
+    return lambda: (leave.set(), thread.join())
 
 
 def test_one_turn_always_runs_and_a_stopped_one_does_not_wait():
     store = SessionStore(budget_bytes=10, idle_timeout_s=3600, prompts=SharedBytes(50))
-    store._turns = NoWaiting()
     s = filled(store, {"a": 100})
     s["a"].lock.acquire()  # a turn runs in "a": its cache cannot be dropped to make room
-    ran = []
-    with store.turn_slot():  # over the budget on its own: it runs, being the only one
-        ran.append("alone")
-        stop = threading.Event()
-        stop.set()
-        with store.turn_slot(cancel=stop):  # stopped: it starts at once, to stop at its first step
-            ran.append("stopped")
+    end_alone = started_at_once(store, reserve=5)  # over the budget on its own: it runs, being the only one
+    stop = threading.Event()
+    stop.set()
+    end_stopped = started_at_once(store, reserve=5, cancel=stop)  # stopped: starts at once, to stop at its first step
+    assert store.running() == 2 and store.reserved_bytes() == 10
+    end_stopped(), end_alone()
     s["a"].lock.release()
-    assert ran == ["alone", "stopped"] and s["a"].cache.dropped == 0
-    assert queued(store) == 0 and store._running == 0 and store._reserved == []  # both left the store's records
+    assert s["a"].cache.dropped == 0
+    assert store.waiting() == 0 and store.running() == 0 and store.reserved_bytes() == 0  # both left its records
 
 
 def test_the_sweeper_deletes_idle_sessions_without_any_visitor():

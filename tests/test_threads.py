@@ -88,11 +88,11 @@ def test_the_scheduler_thread_ends_when_released_and_a_later_pass_starts_another
 
     scheduler = Scheduler(tiny_llama())
     logits, _, _ = scheduler.forward(TokenCache([1, 2, 3]))
-    first = scheduler._thread
+    first = scheduler.thread
     assert first is not None and first.is_alive()
     scheduler.release()
-    assert not first.is_alive() and scheduler._thread is None
+    assert not first.is_alive() and scheduler.thread is None
     again, _, _ = scheduler.forward(TokenCache([1, 2, 3]))
-    assert scheduler._thread is not None and scheduler._thread is not first
+    assert scheduler.thread is not None and scheduler.thread is not first
     assert torch.equal(logits, again)
     scheduler.release()

@@ -93,8 +93,8 @@ def split_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """split_rows in torch, the parts' values in float32: what the C code computes, one operation at a time."""
     scale = _row_scale(x, ACT_MAX)
     scaled = x / scale
-    high = _round_(scaled.clone())
-    low = _round_(scaled.sub_(high).mul_(FINE))
+    high = round_(scaled.clone())
+    low = round_(scaled.sub_(high).mul_(FINE))
     return torch.cat([high, low]), scale
 
 
@@ -107,6 +107,6 @@ def combine_rows_torch(sums: torch.Tensor, scale: torch.Tensor, weight_scale: to
     return out if bias is None else out.add_(bias)
 
 
-def _round_(x: torch.Tensor) -> torch.Tensor:
+def round_(x: torch.Tensor) -> torch.Tensor:
     """torch.round's values for |x| < 2**22, in place, by an add, which stays on one core (docs/concurrency.md)."""
     return x.add_(ROUNDER).sub_(ROUNDER)

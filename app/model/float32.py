@@ -65,6 +65,11 @@ class PackedLinear(nn.Module):
         in-place change (its version counter) each give another key."""
         return id(self.weight), self.weight.data_ptr(), self.weight._version
 
+    @property
+    def prepared(self) -> bool:
+        """Whether it holds a packed copy of its current weight (else its next pass packs one)."""
+        return self._packed is not None and self._packed_from == self._source()
+
     def repack(self) -> None:
         """Lay the current weight out again (after it changed)."""
         source = self._source()  # (read first: a change during the packing leaves the copy stale, and seen so)

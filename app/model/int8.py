@@ -106,7 +106,7 @@ def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return parts @ weight.t()
 
 
-FEW_TOKENS = 8  # where _int_mm is fast, inputs of up to this many tokens take fbgemm's kernel (_kernels)
+FEW_TOKENS = 8  # where _int_mm is fast, inputs of up to this many tokens take fbgemm's kernel (kernels_for)
 # ... or up to this many app.kernels.int8_mm's, which has no fixed cost per call (docs/model-and-kernels.md)
 PACKED_FEW_TOKENS = 16
 
@@ -138,6 +138,13 @@ class Int8Linear(nn.Module):
         elif self.packed and self._packed is None:
             self._packed = PackedWeight(self.weight)
         return self
+
+    @property
+    def prepared(self) -> bool:
+        """Whether its weight is laid out for its few-token kernel (by prepare() or a first use; True: none)."""
+        if self.exact is not None:
+            return self.exact._held is not None
+        return not self.packed or self._packed is not None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -250,13 +257,13 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
     """Convert a Llama, Qwen2 or Qwen3 model's projections (q/k/v as one, with their biases where the family has
     them: app.model.family), MLPs and LM head to int8, in place (Qwen3's per-head q/k norms stay float32). `exact`: multiply on the
     exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.kernels.int8_mm's, for inputs of
-    up to `few` tokens (None: all); exact None: all three chosen for this CPU (_kernels). `saved`: int8_state()
+    up to `few` tokens (None: all); exact None: all three chosen for this CPU (kernels_for). `saved`: int8_state()
     of this model's conversion, taken instead of quantizing again where it holds a layer (app.model keeps it
     beside the converted weights)."""
     if not supports(model):
         raise ValueError(f"int8 weights cover the fast path's families only: {fast_path_reason(model.config)}")
     if exact is None:
-        exact, few, packed = _kernels(model.config)
+        exact, few, packed = kernels_for(model.config)
 
     def int8(name: str, *linears: nn.Module) -> Int8Linear:
         weight, scale, bias = (None if saved is None else saved.get(f"{name}.{key}") for key in INT8_KEYS)
@@ -279,7 +286,7 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
         _prepare(model)
 
 
-def _kernels(config) -> tuple[bool, int | None, bool]:
+def kernels_for(config) -> tuple[bool, int | None, bool]:
     """(exact, few, packed) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for
     everything (where every layer's rows are short enough for it); where it is fast, a kernel without a fixed
     cost per call for few tokens (decode: the same bits, without _int_mm's per-call relayout of the weight) and

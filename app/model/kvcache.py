@@ -64,6 +64,11 @@ class GrowingLayer(DynamicLayer):
     keys = property(lambda self: self._get(0), lambda self, value: self._set(0, value))
     values = property(lambda self: self._get(1), lambda self, value: self._set(1, value))
 
+    @property
+    def room(self) -> int:
+        """Positions its storage has room for (0 while it is a plain layer, its tensors outside any storage)."""
+        return self._storage[0].shape[-2] if self._storage is not None else 0
+
     def get_seq_length(self) -> int:
         return self._length if self._storage is not None else super().get_seq_length()
 

@@ -128,7 +128,7 @@ def hub_fallback_errors() -> Iterator[None]:
             "hub id or a local folder") from error
 
 
-def _converted_dir(model_id: str, gguf_file: str) -> Path:
+def converted_dir(model_id: str, gguf_file: str) -> Path:
     """Cache folder for a GGUF's converted weights, keyed by the file's path, size and mtime."""
     path = Path(model_id) / gguf_file
     stat = path.stat() if path.exists() else None
@@ -159,7 +159,7 @@ def _gguf_reads_head_dim() -> None:
 
 def _load_gguf(model_id: str, gguf_file: str):
     """Load a GGUF through the converted cache folder, converting (and saving) once."""
-    converted = _converted_dir(model_id, gguf_file)
+    converted = converted_dir(model_id, gguf_file)
     if (converted / "config.json").exists():
         return _load_pretrained(str(converted))
     _gguf_reads_head_dim()
@@ -253,7 +253,7 @@ def load_tokenizer():
     if not gguf_file:
         with hub_fallback_errors() if is_hub_fallback(model_id) else contextlib.nullcontext():
             return AutoTokenizer.from_pretrained(model_id)
-    converted = _converted_dir(model_id, gguf_file)
+    converted = converted_dir(model_id, gguf_file)
     own = converted.with_name(converted.name + "-tokenizer")  # the tokenizer alone, when no weights were converted
     for folder in (converted, own):
         if (folder / "tokenizer_config.json").exists():
@@ -278,7 +278,7 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None, weight
     folder = None  # the converted cache folder, where int8 weights are kept too
     if gguf_file:
         model, tokenizer = _load_gguf(model_id, gguf_file)
-        name, folder = Path(gguf_file).stem, _converted_dir(model_id, gguf_file)
+        name, folder = Path(gguf_file).stem, converted_dir(model_id, gguf_file)
     else:
         with hub_fallback_errors() if fallback else contextlib.nullcontext():
             model, tokenizer = _load_pretrained(model_id)

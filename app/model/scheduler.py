@@ -160,6 +160,11 @@ class Scheduler:
         """How many rows are inside a turn now (each will ask for a pass at almost every step)."""
         return self._in_turns
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread that runs the steps: None before the first pass and once released."""
+        return self._thread
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """No step runs inside this block (it waits for the step in flight to end): for changing the model's weights

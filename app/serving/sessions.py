@@ -333,6 +333,23 @@ class SessionStore:
                 self._reserved.remove(job)
                 self._turns.notify_all()
 
+    def waiting(self) -> int:
+        """How many jobs wait in turn_slot's line (each has checked, under the line's lock, that it must wait)."""
+        with self._turns:
+            return len(self._queue)
+
+    def running(self) -> int:
+        """How many jobs hold their place (inside turn_slot) now."""
+        with self._turns:
+            return self._running
+
+    def reserved_bytes(self) -> int:
+        """What the running jobs' reservations count now, beyond what the sessions' caches hold."""
+        with self._lock:
+            counted = {id(e.session.cache) for e in self._entries.values() if e.session is not None}
+        with self._turns:
+            return sum(job.outstanding(counted) for job in self._reserved)
+
     def _over_budget(self, job: _Reservation) -> bool:
         return self._drop_to_budget([*self._reserved, job])[1] > self.budget_bytes
 
