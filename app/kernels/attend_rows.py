@@ -1,11 +1,7 @@
-"""The attention of every row with up to 64 new tokens in one C call a layer (app/kernels/attend_rows.c): decoding rows,
-drafts, questions and tool results.
-
-One call writes each row's new keys/values into its cache's room and computes each query over the shared prefix's keys
-(the queries of all rows sharing it together, so a key is read once) and over its own, merged as flash attention merges
-blocks; this replaces several small PyTorch calls per row and layer. Each query is computed in its own lane in a fixed
-order, so a row's bits never depend on the rows beside it; longer rows stay with PyTorch's flash kernel.
-"""
+"""The attention of every row with up to 64 new tokens in one C call a layer (app/kernels/attend_rows.c): it writes each
+row's new keys/values into its cache's room and attends over the shared prefix (read once for all rows sharing it) and
+the row's own keys. Each query runs in its own lane in a fixed order, so a row's bits never depend on the rows beside
+it; longer rows stay with PyTorch's flash kernel."""
 
 from __future__ import annotations
 

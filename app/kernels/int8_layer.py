@@ -1,12 +1,7 @@
-"""An int8 decoder layer with its work between the matmuls in a few C calls (app/kernels/int8_layer.c), for
-app.model.ragged: norms, splits, scaling, rotary, SiLU and residual adds, which in torch are dozens of small calls.
-Where every row of a pass attends in app/kernels/attend_rows.c, one C call runs all the layers (forward_layers) without
-the GIL.
-
-Every token is computed alone in a fixed order, so its bits do not depend on the rows beside it. The norms and SiLU
-round slightly differently from transformers' kernels but the same in every pass, so cached and uncached runs stay
-token-identical. Without the C library app.model.ragged runs the layers as torch modules.
-"""
+"""An int8 decoder layer with its work between the matmuls (norms, splits, scaling, rotary, SiLU, residual adds) in a
+few C calls (app/kernels/int8_layer.c), for app.model.ragged; where every row attends in C, one call runs all the layers
+without the GIL. Each token is computed alone in a fixed order, so its bits do not depend on the rows beside it; without
+the C library the layers run as torch modules."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""SDPA attention that reads grouped key/value heads in place when new tokens attend to a cached context.
-
-transformers' `sdpa` copies every key/value head once per query head (`repeat_kv`) whenever a mask is given, a copy that
-grows with the history. On CPU this hands the mask and the grouped heads to PyTorch's kernel as they are (`enable_gqa`);
-every other case goes to the stock function.
-"""
+"""SDPA attention that reads grouped key/value heads in place for multi-token passes over a cache, where transformers'
+`sdpa` copies each one per query head (`repeat_kv`). On CPU it hands the mask and grouped heads to PyTorch's kernel
+(`enable_gqa`); every other case goes to the stock function."""
 
 from __future__ import annotations
 

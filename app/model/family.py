@@ -1,10 +1,6 @@
-"""The decoder families the fast path covers (the ragged pass, int8 weights, the fused C layer) and what sets them
-apart, as data of one layer description.
-
-Llama, Qwen2 and Qwen3 decoders are the same layer and differ in a few facts `LayerShape` reads from the config (q/k/v
-biases, Qwen3's per-head q/k norms and own head_dim, a tied LM head, the rotary base, the norms' epsilon), so the passes
-never test a family by name. A model that `fast_path_reason` refuses runs on its own forward, one row a step.
-"""
+"""The decoder families the fast path covers (Llama, Qwen2, Qwen3) and what sets them apart, as data: `LayerShape` reads
+the few differences from the config (q/k/v biases, Qwen3's head norms and head_dim, a tied head, rotary base, epsilon),
+so no pass tests a family by name. A model `fast_path_reason` refuses runs on its own forward, one row a step."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Float32 matmuls on weights packed once for oneDNN (through torch's `torch.ops.mkldnn` ops), where a timing at load
-finds that faster than torch's default float32 matmul; TEXTENV_ONEDNN=0 keeps torch's.
-
-The two libraries round differently, so a float32 model's bits depend on which one a CPU gets; within one, a row's bits
-do not depend on the rows beside it. The layers keep their float32 weights as parameters under their own names, so the
-state dict and a trainer's weight copies are unchanged; a packed copy whose weight changed is packed again before it is
-read.
-"""
+"""Float32 matmuls on weights packed once for oneDNN (`torch.ops.mkldnn`), where a timing at load finds that faster than
+torch's default; TEXTENV_ONEDNN=0 keeps torch's. The libraries round differently, so a float32 model's bits depend on
+which one a CPU gets. The layers keep their weights as parameters under their own names, and a packed copy whose weight
+changed is packed again before it is read."""
 
 from __future__ import annotations
 

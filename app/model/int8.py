@@ -1,14 +1,8 @@
-"""Int8 weights times int8 activations: the model's matmuls in exact integer arithmetic, per token.
-
-Int8 weights are a quarter of float32's bytes, and `torch._int_mm` multiplies them with VNNI. Where it is slow (no VNNI,
-decided by a timing at load) the same integer products run exactly on fbgemm's kernel or in float32 (`ExactWeight`); few
-tokens go to a kernel with no per-call weight relayout (app.kernels.int8_mm, else fbgemm's).
-
-Each token's activations get their own scale and are split into two 7-bit parts (`split_rows`; 7 bits keep the non-VNNI
-16-bit pair sums exact), so a token's result depends on that token alone, not on the rows beside it or on how a prefill
-was chunked. Weights get one scale per output channel; embeddings, norms and attention stay float32. The splitting and
-scaling back live in app.kernels.int8_rows and, in the ragged pass, app.kernels.int8_layer.
-"""
+"""Int8 weights times int8 activations: the model's matmuls in exact integer arithmetic, per token. `torch._int_mm`
+multiplies them with VNNI; where it is slow the same integer products run exactly on `ExactWeight`, and few tokens go to
+a kernel without a per-call weight relayout. Each token's activations get their own scale and two 7-bit parts, so its
+result depends on that token alone, not on the rows beside it or on how a prefill was chunked. Embeddings, norms and
+attention stay float32."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The one owner of a session's token ids and of the KV cache that covers a prefix of them.
-
-Invariant, checked before every forward pass: the cache holds keys/values for exactly `ids[:cached]`, with `cached <
-len(ids)`; any other state gives wrong logits silently, which is why nothing else touches the cache. A session may read
-the engine's system-prompt cache as a read-only prefix (`fork(share=True)`) instead of copying it; the ragged pass
-attends to both parts, every other path gets one joined cache.
-"""
+"""The one owner of a session's token ids and of the KV cache over a prefix of them. Invariant, checked before every
+pass: the cache holds exactly `ids[:cached]`, with `cached < len(ids)`; anything else gives wrong logits silently, so
+nothing else touches the cache. A session may read the engine's system-prompt cache as a read-only prefix
+(`fork(share=True)`) instead of copying it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""One forward pass over several sessions' new tokens at once, each attending only to its own KV cache.
-
-The rows are ragged, as in vLLM: their new tokens are laid end to end for the layers that hold weights and split again
-only for attention, where each row reads and extends its own cache; no padding, no masks between rows. A row may read a
-shared prefix: its attention over the prefix and over its own keys is merged by log-sum-exp (cascade attention), and all
-rows reading one prefix read it in one call. Short rows do all of this in one C call a layer (app.kernels.attend_rows).
-Around attention a layer is the model's own modules (`TorchLayers`) or, for int8, a few C calls
-(app.kernels.int8_layer). `supports()` says whether a model can take this path.
-"""
+"""One forward pass over several sessions' new tokens at once, each attending only to its own KV cache. The rows are
+ragged, as in vLLM: laid end to end for the layers that hold weights, split only for attention, with no padding or masks
+between rows. A row reading a shared prefix merges its attention over the prefix and over its own keys by log-sum-exp
+(cascade attention); short rows do all this in one C call a layer (app.kernels.attend_rows), and int8 layers run in C
+(app.kernels.int8_layer)."""
 
 from __future__ import annotations
 
