@@ -1,8 +1,5 @@
-"""Command line: run episodes (`ask`) or a single tool (`tool`). User mistakes print one line to stderr.
-
-Import-light: `--help`, `tool` and argument errors never import torch, transformers or gradio; `ask` imports the
-model stack (app.engine, app.backends.base) only when it runs.
-"""
+"""Command line: run episodes (`ask`) or a single tool (`tool`); user mistakes print one line to stderr. `--help`,
+`tool` and argument errors never import torch, transformers or gradio."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What a user sets and writes, checked: the turn's Settings, the question, InputError for a mistake.
-
-Standard library only, so the CLI can build its parser and check its arguments without importing the model stack;
-a shared leaf that every layer imports from here.
-"""
+"""What a user sets and writes, checked: the turn's Settings, the question, InputError for a mistake. Standard library
+only, so the CLI can check its arguments without importing the model stack."""
 
 from __future__ import annotations
 
@@ -47,8 +44,8 @@ class Settings:
 
     def validated(self, context_limit: int, default_max_length: int = DEFAULT_MAX_LENGTH) -> "Settings":
         """These settings for a backend that holds `context_limit` tokens a session, or InputError for the first
-        mistake. A max_length not given becomes the smaller of `default_max_length` and that context; one given
-        above the context is refused."""
+        mistake. A missing max_length becomes the smaller of `default_max_length` and that context; one above the
+        context is refused."""
         if self.protocol is None:
             return replace(self, protocol=default_protocol()).validated(context_limit, default_max_length)
         if self.max_length is None:
@@ -74,8 +71,7 @@ class Settings:
 
 
 def require_utf8(text: str, what: str) -> str:
-    """Text the tokenizer can take. Lone surrogates (bytes a terminal could not decode, or a JSON "\\ud800")
-    make it raise a bare TypeError."""
+    """Text the tokenizer can take: lone surrogates (a JSON "\\ud800") would make it raise a bare TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -1,11 +1,7 @@
-"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.model.scheduler).
-
-Every thread that runs a parallel kernel gets an OpenMP thread pool of its own, and once there are more pool
-threads than cores, libgomp stops spinning between kernels and small kernels slow down in every thread. So every
-thread starts with one intra-op thread (OMP_NUM_THREADS=1, set before torch starts OpenMP), the scheduler's thread
-alone takes MODEL_THREADS (default: the cores this process may use), and it hands back the default that
-`torch.set_num_threads` also sets for threads started later (`use_model_threads`). Figures: docs/performance.md.
-"""
+"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.model.scheduler). Every thread
+that runs a parallel kernel gets its own OpenMP pool, and more pool threads than cores slows small kernels everywhere,
+so every thread starts with one intra-op thread (OMP_NUM_THREADS=1) and the scheduler's alone takes MODEL_THREADS
+(docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +31,8 @@ def default_threads() -> int:
 
 
 def use_model_threads() -> None:
-    """Give the calling thread (the one that runs the model's passes) its MODEL_THREADS intra-op threads, and
-    leave every other thread's default as it was."""
+    """Give the calling thread (the one that runs the model's passes) MODEL_THREADS intra-op threads, leaving every
+    other thread's default as it was."""
     import torch
 
     torch.set_num_threads(model_threads())

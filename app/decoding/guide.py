@@ -1,15 +1,6 @@
-"""Guided answers: one declared grammar per model segment, plus the text the engine writes itself; the pieces every
-protocol's grammar shares.
-
-The guide of a segment says what the model may write there, in GBNF (the format llama.cpp's server, vLLM's
-structured outputs and llguidance all accept), built by the protocol (app.protocols.textenv.grammar,
-app.protocols.chat_guide) from its markers, the session's tools and the last tool output:
-- a reply is the answer line (`Result = ...`, one line) or one call of a session's tool;
-- after a tool's output the answer line begins with what the prompt's examples copy from it (the Calculator's
-  number, with no more digits after it; a look-up's first entry; a failed call's error);
-- a question a tool claims (`Tool.claims`) opens with that call, written by the engine (`opening`).
-Every token the guide decides is recorded as such (app.episode.Provenance) and shown.
-"""
+"""Guided answers: one declared grammar (GBNF) per model segment, plus the text the engine writes itself, and the pieces
+every protocol's grammar shares. The protocols build each guide from their markers, the session's tools and the last
+tool output (docs/guided-answers.md); every token the guide decides is recorded as such."""
 
 from __future__ import annotations
 
@@ -18,8 +9,8 @@ from dataclasses import dataclass
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the Calculator's output (app.tools.numbers.format_number)
 ANSWER_PREFIX = "Result ="  # opens the answer line, in both protocols' examples and guides
-# Free text on a line: no newline and no tag (a `<` only before a space, a digit or `=`: "3 < 5", "x <= 2").
-# A named rule of character classes, which grammar engines compile into fast lexemes.
+# Free text on a line: no newline and no tag (a `<` only before a space, a digit or `=`), as a named rule of
+# character classes, which grammar engines compile into fast lexemes.
 TEXT_RULE = 'text ::= ([^\\n<] | "<" [ 0-9=])*'
 
 
@@ -33,8 +24,7 @@ class Guide:
 
 
 def literal(text: str) -> str:
-    """`text` as a GBNF string literal: quotes, backslashes and control characters escaped; other characters,
-    non-ASCII included, as they are (UTF-8)."""
+    """`text` as a GBNF string literal: quotes, backslashes and control characters escaped, everything else as it is."""
     out = []
     for char in text:
         if char in '"\\':

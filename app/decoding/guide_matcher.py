@@ -1,9 +1,5 @@
-"""A segment's guide (app.decoding.guide) applied to one tokenizer's tokens, by llguidance: the tokens the grammar allows
-next, the tokens it forces (the next text is fixed), and who chose each token.
-
-The mask is a bitmask llguidance fills, applied as a boolean index (llguidance's own torch helper is
-`torch.compile`d); its cost: docs/guided-answers.md.
-"""
+"""A segment's guide (app.decoding.guide) applied to one tokenizer's tokens by llguidance: the tokens the grammar allows
+next, the tokens it forces, and who chose each token."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ class GuideError(ValueError):
 
 
 class GuideVocab:
-    """llguidance's view of one tokenizer, built once per model, and the grammars compiled for it: a copy of a
-    compiled grammar costs far less than a compile, and a question's grammar is the same for every visitor with
-    the same tools."""
+    """llguidance's view of one tokenizer, built once per model, and the grammars compiled for it (a copy of a compiled
+    grammar is far cheaper than a compile)."""
 
     COMPILED = 64  # grammars kept (each tool output makes one)
 
@@ -63,8 +58,8 @@ class GuideVocab:
         return compiled.deep_copy()
 
     def as_text(self, tokens: list[int]) -> list[int]:
-        """`tokens` as untrusted text is tokenized (app.protocols.base.encode): the same text, where a special token's
-        text in it (a tool's `<tool_call>` that llguidance's tokenizer matched as the special token) stays text."""
+        """`tokens` tokenized as untrusted text is (app.protocols.base.encode), so a special token's text in it stays
+        text."""
         if not any(self.tokenizer.is_special_token(t) for t in tokens):
             return tokens  # (llguidance's tokenizer is the model's own: the same ids as encode)
         with self._hf_lock:
@@ -104,8 +99,8 @@ class GuideMatcher:
         return out, not (top < n and bool(allowed[top]))
 
     def greedy(self, logits: torch.Tensor) -> tuple[int, bool]:
-        """The greedy choice among the tokens the grammar allows, and whether it was steered: the same token as
-        greedy(mask(logits)), without masking the vocabulary where the model's first choice is allowed."""
+        """The greedy choice among the allowed tokens and whether it was steered: the same as greedy(mask(logits)),
+        masking the vocabulary only where the model's first choice is banned."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bits, 0)
         raw = logits.detach().float().numpy()
         top = int(raw.argmax())
@@ -126,7 +121,7 @@ class GuideMatcher:
 
     def forced(self) -> list[int]:
         """The tokens of the text the grammar fixes next (none where the model has a choice), tokenized as untrusted
-        text is (GuideVocab.as_text), and only as many as the grammar takes: the grammar and the ids agree."""
+        text and only as many as the grammar takes."""
         forced = self._matcher.compute_ff_tokens()
         tokens = self._vocab.as_text(forced)
         return forced if tokens is forced else tokens[: self._matcher.validate_tokens(tokens)]
@@ -141,9 +136,8 @@ class GuideMatcher:
 
 
 def replay(vocab: GuideVocab, grammar: str, tokens: list[int]) -> list[Provenance]:
-    """Who chose each of a model server's tokens, by the same grammar: forced where the grammar fixed the next
-    text, else the model's (a server does not say whether it steered). GuideError where a token breaks the
-    grammar: the server did not apply it."""
+    """Who chose each of a model server's tokens, by the same grammar: forced where the grammar fixed the next text,
+    else the model's. GuideError where a token breaks the grammar."""
     matcher, out = vocab.matcher(grammar), []
     for token in tokens:
         out.append(Provenance.FORCED if matcher.is_forced() else Provenance.MODEL)

@@ -9,13 +9,9 @@ if TYPE_CHECKING:
 
 
 class PromptLookup:
-    """Draft tokens for greedy decoding by prompt lookup: the tokens that followed the most recent earlier
-    occurrence of the session's last n tokens (n = 3, 2). Small models copy a lot (the expression from the
-    question into the tool call, the tool's result into the answer), and one forward pass verifies a whole
-    draft; only drafts equal to the model's own greedy choices are kept, so the output does not change.
-
-    The index maps each n-gram to the position after its latest occurrence; it grows by O(1) per token.
-    """
+    """Draft tokens for greedy decoding by prompt lookup: what followed the latest earlier occurrence of the session's
+    last 3 (else 2) tokens. Small models copy a lot, one pass verifies a whole draft, and only drafts equal to the
+    model's own greedy choices are kept, so the output does not change."""
 
     def __init__(self, ids: list[int], max_ngram: int = 3, min_ngram: int = 2):
         self._ids = ids  # the session's live list: grows as tokens are accepted
@@ -25,8 +21,7 @@ class PromptLookup:
         self.sync()
 
     def sync(self) -> None:
-        """Index every position whose continuation is known (all but the last token), each n-gram keeping its
-        latest. In C loops (zip, dict.update), since a segment first indexes its session's whole prompt."""
+        """Index every position whose continuation is known (all but the last token), each n-gram keeping its latest."""
         ids, end = self._ids, len(self._ids)
         for n in self._sizes:
             lo = max(self._indexed, n)
@@ -71,9 +66,8 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float) -> list[float]:
-    """log p(token) for tokens[i] under logits[i], as a trainer recomputes them (TRL's selective_log_softmax): a
-    log-softmax of the logits divided by the temperature (1 when greedy), over the whole vocabulary (top_p does not
-    renormalize it)."""
+    """log p(token) for tokens[i] under logits[i], as a trainer recomputes them: a log-softmax of the logits over the
+    temperature (1 when greedy), over the whole vocabulary."""
     import torch
 
     rows = logits[: len(tokens)].float()

@@ -1,9 +1,5 @@
-"""Per-token decisions: which token comes next, what text it adds, and whether (and why) the segment stops.
-
-The stop reason is recorded here, by the code that stops generation, never guessed from the text afterwards.
-Every check is O(1) in the segment's length: text is decoded over a window of a few tokens, and stop strings
-are searched only in the new text plus a tail as long as the longest stop string.
-"""
+"""Per-token decisions: what text a token adds and whether (and why) the segment stops. The stop reason is recorded by
+the code that stops, never guessed from the text afterwards; every check is O(1) in the segment's length."""
 
 from __future__ import annotations
 
@@ -22,11 +18,8 @@ def segment_text(tokenizer, ids: list[int], shown: frozenset[int] = frozenset())
 
 
 class Detokenizer:
-    """Turns generated token ids into text deltas (segment_text), decoding only the few tokens since the last
-    emitted text.
-
-    Holds a delta back while it ends in an incomplete UTF-8 character (decoded as U+FFFD).
-    """
+    """Turns generated token ids into text deltas (segment_text), decoding only the tokens since the last emitted text,
+    and holds a delta back while it ends in an incomplete UTF-8 character."""
 
     def __init__(self, tokenizer, shown: frozenset[int] = frozenset()):
         self._tokenizer, self._shown = tokenizer, shown
@@ -59,12 +52,9 @@ LOOP_COPIES = 3
 
 
 class StopChecker:
-    """Decides after every generated token whether the segment stops, and why.
-
-    Precedence when several hold on the same token: a stop string (the protocol event the model asked for)
-    over EOS, over the length limits; the session's max_length over the segment's max_new_tokens. A stop string
-    that ends inside a token stops on that token; the token is kept whole, since the session's ids are the truth.
-    """
+    """Decides after every generated token whether the segment stops, and why. Precedence: a stop string over EOS over
+    the length limits, the session's max_length over max_new_tokens; a stop string ending inside a token keeps that
+    token whole."""
 
     def __init__(self, stop_strings: tuple[str, ...], eos_ids: frozenset[int]):
         self.stop_strings = stop_strings
@@ -99,9 +89,8 @@ class StopScan:
         return None
 
     def _loops(self, token_id: int) -> bool:
-        """Whether the last tokens are one span of 4-20 tokens written LOOP_COPIES times in a row
-        ("esp. one that is changed; esp. one that is changed; ..."): greedy decoding does not leave such a loop,
-        it only spends the budget. Bounded work per token."""
+        """Whether the last tokens are one span of 4-20 tokens written LOOP_COPIES times in a row, a loop greedy
+        decoding never leaves."""
         recent = self._recent
         recent.append(token_id)
         del recent[: -LOOP_COPIES * LOOP_PERIODS[-1]]

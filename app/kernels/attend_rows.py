@@ -1,13 +1,7 @@
-"""The attention of every row with up to 64 new tokens in one C call a layer (app/kernels/attend_rows.c): decoding rows,
-their drafts, questions and tool results, whatever the length of their past or of their shared prefix.
-
-Why: otherwise each row and layer takes a PyTorch flash call for the shared prefix's part, a cache write, a call
-for the row's own part and a merge of the two, each mostly fixed dispatch cost (docs/model-and-kernels.md). Here
-one call a layer writes every such row's new keys/values into its cache's room (kvcache.GrowingLayer.reserve) and
-computes each new query over the prefix's keys and its own: every row's queries over a prefix they share 16 at a
-time (one vector lane each, so a key is read once for all of them), then each row's over its own keys, the two
-parts merged as flash attention merges blocks. Each query is computed in its own lane in a fixed order, so a
-row's bits never depend on the rows beside it; longer rows (prefill chunks) stay with the flash kernel."""
+"""The attention of every row with up to 64 new tokens in one C call a layer (app/kernels/attend_rows.c): it writes each
+row's new keys/values into its cache's room and attends over the shared prefix (read once for all rows sharing it) and
+the row's own keys. Each query runs in its own lane in a fixed order, so a row's bits never depend on the rows beside
+it; longer rows stay with PyTorch's flash kernel."""
 
 from __future__ import annotations
 
@@ -17,8 +11,7 @@ import torch
 
 from app.kernels.native import library
 
-# rows of up to this many new tokens attend here (decoding, drafts, tool results, questions); longer ones (prefill
-# chunks) in PyTorch's flash kernel, whose blocked matmuls pay off there
+# rows of up to this many new tokens attend here; longer ones (prefill chunks) in PyTorch's flash kernel
 BATCH_TOKENS = 64
 
 
@@ -32,8 +25,7 @@ class RowKV(ctypes.Structure):
 
 
 def available(config) -> bool:
-    """Whether rows of this model can attend here: the C library's AVX-512 path, for 64- or 128-value heads (the
-    bundled model's; Qwen3's); elsewhere every row keeps PyTorch's kernels."""
+    """Whether rows of this model can attend here: the C library's AVX-512 path, for 64- or 128-value heads."""
     lib = library()
     if lib is None:
         return False
@@ -44,9 +36,8 @@ def available(config) -> bool:
 
 
 def batched(tokens: int, kv, prefix, readable: dict[int, bool] | None = None) -> bool:
-    """Whether a row of this many new tokens, its cache (app.model.kvcache.new_kv's) and its shared prefix (or None)
-    attend here: decided by the row alone, so its path never depends on the rows beside it. `readable`: a pass's
-    memo of its prefixes' check (a prefix is read-only: checked once a pass, not once a row)."""
+    """Whether a row of this many new tokens, its cache and its shared prefix (or None) attend here, decided by the row
+    alone. `readable`: a pass's memo of its prefixes' check."""
     if library() is None or tokens > BATCH_TOKENS or not all(hasattr(layer, "reserve") for layer in kv.layers):
         return False
     if prefix is None:
@@ -75,19 +66,17 @@ def _prefix_fields(layer) -> tuple[int, int, int, int]:
 
 
 class Batch:
-    """A pass's rows that attend here, set up once a pass: each row's room for its new tokens in every layer of
-    its cache (kvcache.GrowingLayer.reserve) and every layer's RowKV table, so a layer's call passes one pointer
-    and the scheduler thread's Python between C calls stays short (docs/concurrency.md)."""
+    """A pass's rows that attend here, set up once a pass: each row's room in every layer of its cache and every layer's
+    RowKV table, so a layer's call passes one pointer."""
 
     def __init__(self, rows: list, spans: list[tuple[int, int]], like: torch.Tensor):
         """`rows` (app.model.ragged.Row) own tokens spans[i] of the pass; `like`: the pass's keys [1, groups, tokens,
-        dim] (a cache's first layer takes their dtype and shape). The caches cover the new positions from now
-        on: attend() writes them, layer by layer (after a failed pass, TokenCache.rollback crops them)."""
+        dim]. The caches cover the new positions from now on: attend() writes them layer by layer."""
         self.count = len(rows)
         self._tables = [(RowKV * len(rows))() for _ in rows[0].kv.layers] if rows else []
         prefixes: dict[int, list] = {}
         for i, (row, (a, b)) in enumerate(zip(rows, spans)):
-            # (each storage stays its layer's through the pass, so the addresses in the tables hold)
+            # each storage stays its layer's through the pass, so the addresses hold
             room = [layer.reserve(like, like, b - a) for layer in row.kv.layers]
             shared = None
             if row.prefix is not None:

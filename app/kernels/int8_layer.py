@@ -1,19 +1,7 @@
-"""An int8 decoder layer with its work between the matmuls in a few C calls (app/kernels/int8_layer.c), for app.model.ragged.
-
-Why: at decode a layer's four matmuls are most of its arithmetic, but around them transformers' modules and
-app.model.int8's split and scaling are dozens of torch calls on a few hundred floats each, whose dispatch costs
-more than the matmuls on few cores (docs/model-and-kernels.md). Here a layer is: norm + split (one call), q/k/v
-matmul, scaling (+ Qwen3's per-head q/k norms) + rotary (two or three), attention, split, output matmul, scaling + residual add + norm + split (one),
-gate/up matmul, scaling + SiLU·up + split (one), down matmul, scaling + residual add (one). Where every row of a
-pass attends in app/kernels/attend_rows.c (decoding rows, drafts, questions, tool results), one C call runs all
-the layers (forward_layers), with no Python (and no GIL held) between a layer's calls.
-
-Every token is computed alone in a fixed order, so a token's bits do not depend on the rows beside it (tested
-bitwise, as for the torch path). The norms and SiLU round differently from transformers' torch kernels (a
-different summation order, a polynomial e^x): within ~1e-6 of them, tested, and the same in every pass of a
-process, so cached and uncached runs stay token-identical. Where the C library is missing, app.model.ragged runs the
-layers as torch modules instead.
-"""
+"""An int8 decoder layer with its work between the matmuls (norms, splits, scaling, rotary, SiLU, residual adds) in a
+few C calls (app/kernels/int8_layer.c), for app.model.ragged; where every row attends in C, one call runs all the layers
+without the GIL. Each token is computed alone in a fixed order, so its bits do not depend on the rows beside it; without
+the C library the layers run as torch modules."""
 
 from __future__ import annotations
 
@@ -26,9 +14,7 @@ from app.kernels.native import library
 
 
 def fused_layers(model) -> FusedInt8Layers | None:
-    """The fused layers for a model converted by app.model.int8.to_int8 (Llama, Qwen2, Qwen3: RMS norms, a
-    SiLU-gated MLP; q/k/v biases and per-head q/k norms as app.model.family.LayerShape says), where the C library
-    is built; else None."""
+    """The fused layers for a model converted by app.model.int8.to_int8, where the C library is built; else None."""
     lib = library()
     layer = model.model.layers[0]
     if lib is None or not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up")
@@ -59,8 +45,8 @@ class FusedInt8Layers:
         return parts, scale
 
     def attention_inputs(self, layer, shape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries and keys (each head normed where `shape.head_norms`, then rotated) and values, each
-        [1, heads, tokens, head_dim]. `shape`: the model's app.model.family.LayerShape."""
+        """Queries and keys (head-normed where `shape.head_norms`, then rotated) and values, each [1, heads, tokens,
+        head_dim]."""
         attn, x = layer.self_attn, hidden[0]
         qkv, norm = attn.qkv_proj, layer.input_layernorm
         n = len(x)
@@ -119,10 +105,8 @@ class FusedInt8Layers:
         return hidden
 
     def whole_pass(self, model, shape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> bool:
-        """Every layer in one C call (forward_layers: per layer the calls above, attention in attend_rows), where
-        every row of the pass attends there (`batch`, its app.kernels.attend_rows.Batch) and every layer has the packed
-        kernel (for any number of tokens: without the layers' Python and int32 sums it beats `_int_mm`,
-        docs/concurrency.md). False, with nothing done, otherwise. hidden is updated in place."""
+        """Every layer in one C call, where every row attends in `batch` (an attend_rows.Batch) and every layer has the
+        packed kernel; False, with nothing done, otherwise. Updates `hidden` in place."""
         layers, x = model.model.layers, hidden[0]
         n = len(x)
         if not all(linear.packed for linear in _linears(model)):
@@ -161,8 +145,7 @@ class LayerC(ctypes.Structure):
 
 
 def _linears(model) -> list:
-    """Every decoder layer's q/k/v, output, gate/up and down Int8Linear, listed once per model, not looked up
-    through the modules every pass."""
+    """Every decoder layer's q/k/v, output, gate/up and down Int8Linear, listed once per model."""
     made = model.__dict__.get("_c_linears")
     if made is None:
         made = [linear for layer in model.model.layers for linear in
@@ -172,8 +155,8 @@ def _linears(model) -> list:
 
 
 def _head_norms(layer, shape) -> tuple[int | None, int | None, float]:
-    """The addresses of a layer's per-head query and key norm weights and their epsilon (None, None where the
-    family has none: app.model.family.LayerShape.head_norms)."""
+    """The addresses of a layer's per-head query and key norm weights and their epsilon; (None, None) where the family
+    has none."""
     if not shape.head_norms:
         return None, None, 0.0
     attn = layer.self_attn
@@ -181,7 +164,7 @@ def _head_norms(layer, shape) -> tuple[int | None, int | None, float]:
 
 
 def _stack(model, shape) -> ctypes.Array:
-    """The C view of every decoder layer, made once per model (as _linear's: its tensors never move)."""
+    """The C view of every decoder layer, made once per model (its tensors never move)."""
     made = model.__dict__.get("_c_layers")
     if made is None:
         linears = _linears(model)
@@ -201,8 +184,7 @@ def _packed(tokens: int, *linears) -> bool:
 
 
 def _linear(linear) -> Linear:
-    """The C view of an Int8Linear on the packed kernel, made once per layer (its tensors never move; the
-    struct is kept on the layer, with them)."""
+    """The C view of an Int8Linear on the packed kernel, made once and kept on the layer (its tensors never move)."""
     made = linear.__dict__.get("_c_linear")
     if made is None:
         weight = linear.prepare()._packed

@@ -1,13 +1,6 @@
-"""The int8 matmul of few tokens in C with AVX-512 VNNI (app/kernels/int8_mm.c), where the CPU has it; of any number of
-tokens where it also has AMX.
-
-Why: at decode each matmul has a few rows, and torch's kernels pay a fixed cost per call that is most of such a
-call (fbgemm's overhead; `_int_mm` lays its weight out again at every call). Here the weight is packed once, at
-load, for the CPU's `vpdpbusd`, and the call is a loop over it split between the model's threads. With AMX the
-same packed weights are the tile unit's operands for inputs of 3 tokens or more, so prefills and batched steps
-skip `_int_mm`'s relayout too (figures: docs/model-and-kernels.md). The sums are integers, so they are
-torch._int_mm's bit for bit (tests/test_int8_mm.py), whatever the kernel, threads or rows.
-"""
+"""The int8 matmul in C (app/kernels/int8_mm.c): of few tokens with AVX-512 VNNI, of any number with AMX. The weight is
+packed once at load, avoiding torch's fixed per-call costs; the sums are integers, so they are torch._int_mm's bit for
+bit whatever the kernel, threads or rows."""
 
 from __future__ import annotations
 
@@ -21,15 +14,15 @@ AMX_INNER = 64  # inner values per AMX tile (int8_mm.c's AMX_INNER): inner sizes
 
 
 def available() -> bool:
-    """Whether the C library was built with VNNI (a CPU with avx512_vnni and a compiler that knows it). Asked
-    again each time (library() is cached itself): a test that turns C off must not fix the answer for later."""
+    """Whether the C library was built with VNNI. Asked each time, so a test that turns C off does not fix the answer.
+    """
     lib = library()
     return lib is not None and bool(lib.mm_int8_available())
 
 
 def any_tokens(config) -> bool:
-    """Whether this model's int8 matmuls are fast here for inputs of any length (the AMX tiles: every inner size
-    a multiple of AMX_INNER), not only for few tokens."""
+    """Whether this model's int8 matmuls are fast here for inputs of any length (AMX tiles: every inner size a multiple
+    of AMX_INNER)."""
     lib = library()
     inner = (config.hidden_size, config.intermediate_size)
     return available() and bool(lib.mm_int8_amx()) and all(size % AMX_INNER == 0 for size in inner)
@@ -58,9 +51,8 @@ class PackedWeight:
 
     def combined(self, parts: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  fine: float) -> torch.Tensor | None:
-        """app.kernels.int8_rows.combine_rows(self.mm(parts), scale, weight_scale, bias) in one C call on the tile unit,
-        the same bits, without the int32 sums in memory (the LM head's; see mm_int8_combined); None where the
-        tiles do not take these parts (or without memory): then call those two."""
+        """combine_rows(self.mm(parts), ...) in one C call on the tile unit, the same bits without the int32 sums in
+        memory; None where the tiles do not take these parts: then call the two."""
         assert parts.dtype == torch.int8 and parts.shape[1] == self.in_features and parts.is_contiguous()
         tokens = len(parts) // 2
         out = torch.empty(tokens, self.out_features)

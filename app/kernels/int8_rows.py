@@ -1,11 +1,6 @@
-"""The per-token work around an int8 matmul: splitting each activation row into two 7-bit parts with its own
-scale, and scaling the matmul's integer sums back. In C where a compiler is at hand (app.kernels.native), else in torch;
-the same bits (tests/test_int8.py compares the two bitwise).
-
-Why C: at decode these are many small torch calls around each matmul, each mostly dispatch for almost no
-arithmetic; one C call (`app/kernels/int8_rows.c`) does the same float32 operations in the same order
-(docs/model-and-kernels.md).
-"""
+"""The per-token work around an int8 matmul: splitting each activation row into two 7-bit parts with its own scale, and
+scaling the integer sums back. In C where a compiler is at hand (one call instead of many small torch ones), else in
+torch, with the same bits."""
 
 from __future__ import annotations
 
@@ -21,19 +16,18 @@ ROUNDER = 1.5 * 2**23  # a float32 of magnitude below 2**22 plus this lies where
 
 def _row_scale(x: torch.Tensor, qmax: int) -> torch.Tensor:
     """One float32 scale per row: its largest magnitude over qmax (a zero row gets a tiny one, not a division by 0)."""
-    # (abs().amax(): the same values as an inf-norm, and faster)
+    # abs().amax(): an inf-norm's values, faster
     return x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(qmax)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, float32 scale per row) with x ≈ values * scale, each row scaled by its own largest value
-    (the weights' one-time quantization: torch only)."""
+    """(int8 values, float32 scale per row) with x ≈ values * scale (the weights' one-time quantization, torch only)."""
     scale = _row_scale(x, QMAX)
     return torch.round(x / scale).to(torch.int8), scale
 
 
 def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x as ([high; low], scale), x ≈ (high + low / FINE) * scale: two 7-bit parts, ~13 bits in all."""
+    """Each row of x as ([high; low], scale), x ≈ (high + low / FINE) * scale: two 7-bit parts."""
     return _split(x, torch.int8)
 
 
@@ -108,5 +102,5 @@ def combine_rows_torch(sums: torch.Tensor, scale: torch.Tensor, weight_scale: to
 
 
 def round_(x: torch.Tensor) -> torch.Tensor:
-    """torch.round's values for |x| < 2**22, in place, by an add, which stays on one core (docs/concurrency.md)."""
+    """torch.round's values for |x| < 2**22, in place, by an add (which stays on one core)."""
     return x.add_(ROUNDER).sub_(ROUNDER)

@@ -1,11 +1,7 @@
-"""The project's C functions (app/kernels/*.c), compiled once per CPU kind into the cache folder and called via ctypes.
-
-Why C: at decode a step is hundreds of tiny operations (a token's activations are a few hundred floats), and
-each torch call costs microseconds of dispatch for almost no arithmetic; one C call does such a piece whole.
-Each caller keeps a torch version of what it calls (tests compare the two), so a machine without a compiler, or
-whose build fails (logged as an error, with the compiler's message), runs the same model in torch. ctypes
-releases the GIL during a call, like torch's kernels. TEXTENV_NATIVE=0 turns C off.
-"""
+"""The project's C functions (app/kernels/*.c), compiled once per CPU kind into the cache folder and called via ctypes,
+which releases the GIL during a call. One C call does a piece of a decode step that would be many tiny torch calls. Each
+caller keeps a torch version (tests compare the two), used where there is no compiler, the build fails (logged as an
+error) or TEXTENV_NATIVE=0."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ HEADERS = tuple(Path(__file__).with_name(name)
 # -ffp-contract=off: no fused multiply-adds where the torch versions round twice; -march=native: built on the CPU
 # it runs on (the cache file's name holds the CPU's features)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
-# the int8 matmul's and the attention's threads: OpenMP, whose libgomp.so.1 is the one torch has loaded (one pool,
-# not two fighting over the cores); a compiler without OpenMP builds the same functions single-threaded
+# threads: OpenMP, using the libgomp torch has loaded (one pool); without OpenMP the same functions single-threaded
 OPENMP = "-fopenmp"
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -63,10 +58,8 @@ _failures: list[str] = []  # why the last library() call's build failed, where a
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The C functions, built on first use (None where they cannot be: callers then run their torch versions).
-
-    A build that fails where a compiler is present is an error, logged with the compiler's message (build_error
-    gives it: the C tests fail on it, CI with them); the app still answers, in torch."""
+    """The C functions, built on first use; None where they cannot be, and callers run their torch versions. A failed
+    build where a compiler is present is logged as an error (build_error)."""
     _failures.clear()
     if os.environ.get("TEXTENV_NATIVE", "1") == "0":
         return None
@@ -91,8 +84,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def build_error() -> str | None:
-    """Why the C functions did not build where a compiler is present, with the compiler's message; None where
-    they built, where TEXTENV_NATIVE=0 turns them off and where there is no compiler."""
+    """Why the C functions did not build where a compiler is present, with the compiler's message; None otherwise."""
     library()
     return _failures[-1] if _failures else None
 
@@ -112,8 +104,8 @@ MESSAGE_CHARS = 4000  # the end of a compiler's message that the log and build_e
 
 
 def _build_key(compiler: str) -> str:
-    """A digest of what the built library depends on: the sources, the compiler and flags, the CPU's features
-    (-march=native code may not run on another CPU kind sharing the cache folder)."""
+    """A digest of what the built library depends on: sources, compiler and flags, and the CPU's features (-march=native
+    code may not run on another CPU kind)."""
     cpu = ""
     try:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")

@@ -1,11 +1,6 @@
-"""SDPA attention that reads grouped key/value heads in place when new tokens attend to a cached context.
-
-transformers' `sdpa` copies every key/value head once per query head (`repeat_kv`) whenever a mask is given,
-which is every multi-token pass over a cache: each new chat turn or tool result on a 1,500-token history copies
-~220 MB for the bundled model, and that copy grows with the history. PyTorch's CPU kernels take the mask and
-grouped heads together (`enable_gqa`), so on CPU this passes them straight through; everything else (one-token
-decode steps, unmasked prefills, other devices, models without grouped heads) goes to the stock function.
-"""
+"""SDPA attention that reads grouped key/value heads in place for multi-token passes over a cache, where transformers'
+`sdpa` copies each one per query head (`repeat_kv`). On CPU it hands the mask and grouped heads to PyTorch's kernel
+(`enable_gqa`); every other case goes to the stock function."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""The decoder families the fast path covers (the ragged pass, int8 weights, the fused C layer), and what sets one
-apart from another, as data of one layer description.
-
-Llama, Qwen2 and Qwen3 decoders are the same layer: an RMS norm, q/k/v projections, rotary embeddings on whole
-heads, grouped-query attention, an output projection, an RMS norm and a SiLU-gated MLP, with residual adds. They
-differ in a few facts, which `LayerShape` holds, read from the config:
-- Qwen2 has biases on the q/k/v projections (Llama and Qwen3 where `attention_bias` says so);
-- Qwen3 norms each query and key head (RMS norm over head_dim, weights `q_norm` / `k_norm`) before the rotary
-  embeddings, and its head_dim may differ from hidden_size / heads;
-- the LM head is tied to the embeddings or not, the rotary base and the norms' epsilon vary.
-The passes read these facts instead of testing the family by name. A model that `fast_path_reason` refuses runs on
-its own forward, one row a step (app.model.scheduler), and the stats panel and the log say why.
-"""
+"""The decoder families the fast path covers (Llama, Qwen2, Qwen3) and what sets them apart, as data: `LayerShape` reads
+the few differences from the config (q/k/v biases, Qwen3's head norms and head_dim, a tied head, rotary base, epsilon),
+so no pass tests a family by name. A model `fast_path_reason` refuses runs on its own forward, one row a step."""
 
 from __future__ import annotations
 
@@ -53,8 +43,8 @@ def layer_shape(config) -> LayerShape:
 
 
 def fast_path_reason(config) -> str | None:
-    """Why a model of this config does not take the fast path (None where it does): one line for the log and the
-    stats panel."""
+    """Why a model of this config does not take the fast path, in one line for the log and the stats panel; None where
+    it does."""
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
         return f"model type {family!r} is not one the fast path covers ({', '.join(FAMILIES)})"

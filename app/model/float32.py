@@ -1,18 +1,7 @@
-"""Float32 matmuls on weights laid out once for oneDNN, the CPU math library PyTorch ships (through torch's own
-packed-linear ops, `torch.ops.mkldnn`), where that is faster here than torch's default float32 matmul.
-
-Why: torch's `F.linear` hands float32 to MKL's sgemm, which on AMD CPUs multiplies the few rows of a decode or
-batched step at 2-3x the time of oneDNN's blocked kernels on a weight packed for them once (figures:
-docs/model-and-kernels.md). A timing at load decides (`packed_is_faster`), since which library is fast depends
-on the CPU; TEXTENV_ONEDNN=0 keeps torch's matmul. The two libraries' float32 results differ by rounding, so a
-float32 model's bits depend on which one a CPU gets.
-
-A row's result bits do not depend on the rows beside it or on how many there are (tests/test_float32.py checks
-1 to 1,000 rows, without autograd, as the engine runs), as with the int8 kernels. The layers keep their float32
-weights as parameters under their own names, so the state dict, and a trainer's weights copied in
-(app.training.weights), are as before: a packed copy whose weight changed (in place, or replaced) is packed
-again before it is read. A trainer's own model keeps torch's modules (`plain_copy`).
-"""
+"""Float32 matmuls on weights packed once for oneDNN (`torch.ops.mkldnn`), where a timing at load finds that faster than
+torch's default; TEXTENV_ONEDNN=0 keeps torch's. The libraries round differently, so a float32 model's bits depend on
+which one a CPU gets. The layers keep their weights as parameters under their own names, and a packed copy whose weight
+changed is packed again before it is read."""
 
 from __future__ import annotations
 
@@ -49,9 +38,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear's weight and bias (the same parameters, under the same names) multiplied on a packed copy.
-    Where a gradient is wanted it runs torch's linear. The weight must not be an inference tensor (made under
-    torch.inference_mode): those keep no version counter, and reading it raises."""
+    """An nn.Linear's own weight and bias parameters multiplied on a packed copy; torch's linear where a gradient is
+    wanted. The weight must not be an inference tensor: those keep no version counter, and reading it raises."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -61,8 +49,7 @@ class PackedLinear(nn.Module):
         self._packed_from: tuple[int, int, int] | None = None  # the weight packed (_source): any change moves it
 
     def _source(self) -> tuple[int, int, int]:
-        """Which weight, where, at which version: another Parameter, new storage (`.data =`, `.to()`) or an
-        in-place change (its version counter) each give another key."""
+        """A key that changes with another Parameter, new storage or an in-place change (the version counter)."""
         return id(self.weight), self.weight.data_ptr(), self.weight._version
 
     @property
@@ -72,24 +59,24 @@ class PackedLinear(nn.Module):
 
     def repack(self) -> None:
         """Lay the current weight out again (after it changed)."""
-        source = self._source()  # (read first: a change during the packing leaves the copy stale, and seen so)
+        source = self._source()  # read first: a change during the packing leaves the copy marked stale
         self._packed, self._packed_from = pack(self.weight), source
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self.repack()  # (now, as part of loading the weights, rather than in the next step)
+        self.repack()  # now, rather than in the next step
 
     def __getstate__(self) -> dict:
-        """A copy (deepcopy, pickle) without the packed weight, which has no storage to copy: packed on first use."""
+        """A copy without the packed weight, which has no storage to copy; packed on first use."""
         return {**self.__dict__, "_packed": None, "_packed_from": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
-            return nn.functional.linear(x, self.weight, self.bias)  # (oneDNN's op has no gradient: torch's has)
+            return nn.functional.linear(x, self.weight, self.bias)  # oneDNN's op has no gradient
         if self._packed_from != self._source():
             self.repack()
         flat = x.reshape(-1, self.in_features).contiguous()
-        if len(flat) == 1:  # (oneDNN's kernel for one row sums in another order than for more: padded to two)
+        if len(flat) == 1:  # oneDNN sums a lone row in another order: pad to two
             out = packed_linear(torch.cat([flat, flat]), self._packed, self.bias)[:1]
         else:
             out = packed_linear(flat, self._packed, self.bias)
@@ -101,10 +88,9 @@ class PackedLinear(nn.Module):
 
 @functools.cache
 def packed_is_faster() -> bool:
-    """Whether oneDNN's packed matmul takes clearly less time (MARGIN) than torch's float32 matmul for a batched
-    step's rows here, timed once per process on a weight larger than a core's caches (as in a step, the timing
-    includes reading it). On AMD EPYC (Zen 4) it takes ~0.4x; where the two are close, torch's stays, so that
-    noise does not switch a start's float32 bits between the two libraries."""
+    """Whether oneDNN's packed matmul takes clearly less time (MARGIN) than torch's for a batched step's rows, timed
+    once per process on a weight larger than the caches; where the two are close torch's stays, so noise does not switch
+    a start's float32 bits."""
     weight, x = torch.randn(8192, 576), torch.randn(PACKED_ROWS, 576)
     packed = pack(weight)
 
@@ -130,8 +116,7 @@ def to_packed(model: nn.Module) -> None:
 
 
 def plain_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` with nn.Linear layers where it has PackedLinear ones: the stock modules a trainer, or a
-    peer measured against this engine, runs."""
+    """A copy of `model` with nn.Linear where it has PackedLinear: the stock modules a trainer or a peer runs."""
     copy_ = copy.deepcopy(model)
     for name, module in list(copy_.named_modules()):
         if isinstance(module, PackedLinear):
@@ -143,8 +128,8 @@ def plain_copy(model: nn.Module) -> nn.Module:
 
 
 def use_packed(model: nn.Module) -> bool:
-    """Pack `model`'s float32 linear layers where oneDNN is here and faster (logged either way); whether its layers
-    multiply on oneDNN (a copy of a packed model does, whatever this CPU's timing)."""
+    """Pack `model`'s float32 linear layers where oneDNN is available and faster (logged either way); returns whether
+    its layers multiply on oneDNN."""
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         log.info("float32 matmuls: oneDNN on weights packed already (a copy of a packed model)")
         return True

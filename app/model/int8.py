@@ -1,29 +1,8 @@
-"""Int8 weights times int8 activations: the model's matmuls in exact integer arithmetic, per token.
-
-Why: a float32 decode step of the bundled model reads 540 MB of weights, and the matmuls are most of the step.
-Int8 weights are a quarter of the bytes, and `torch._int_mm` multiplies int8 by int8 into int32 with the CPU's
-VNNI instructions. Without VNNI it is a scalar loop, far slower than float32 (a timing at load tells,
-`int8_matmul_is_fast`); there the same integer products run exactly on fbgemm's int8 kernel (`ExactWeight`),
-else on float hardware.
-
-Where `_int_mm` is fast, few tokens (`FEW_TOKENS`) still go to a kernel that reads a weight laid out once, since
-`_int_mm` lays its weight out again at every call, a cost that does not shrink with the tokens: app.kernels.int8_mm's
-where the C library has VNNI (no fixed cost per call), else fbgemm's. Figures: docs/model-and-kernels.md.
-
-Why per token: each token's activations get their own scale, and the integer products are exact, so a token's
-result depends on that token alone: not on the rows batched beside it in a step, nor on how a prefill was
-chunked (tested bitwise). Library routes quantize a whole input tensor with one scale (`torch.ao` dynamic
-int8), which would make a session's answer depend on who else was in the step.
-
-Why two parts per activation (`split_rows`): with one, rounding the activations costs more accuracy than the int8
-weights do. Each part is 7-bit (|value| <= ACT_MAX): a CPU without VNNI multiplies unsigned by signed bytes and
-adds pairs of products in 16 bits, which is exact only with 7-bit activations (fbgemm's `reduce_range`). Weights
-get one scale per output channel (8-bit). Embeddings, norms and attention stay float32, and so does the embedding
-table, which the converted LM head does not share.
-
-The splitting and the scaling back live in app.kernels.int8_rows (in C where a compiler is at hand: the same bits); in
-the ragged pass app.kernels.int8_layer does them together with a layer's norms, rotary, SiLU and residual adds.
-"""
+"""Int8 weights times int8 activations: the model's matmuls in exact integer arithmetic, per token. `torch._int_mm`
+multiplies them with VNNI; where it is slow the same integer products run exactly on `ExactWeight`, and few tokens go to
+a kernel without a per-call weight relayout. Each token's activations get their own scale and two 7-bit parts, so its
+result depends on that token alone, not on the rows beside it or on how a prefill was chunked. Embeddings, norms and
+attention stay float32."""
 
 from __future__ import annotations
 
@@ -44,7 +23,7 @@ from app.model.timing import best_of
 
 log = logging.getLogger(__name__)
 
-SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ (faster for few rows)
+SKINNY_ROWS = 64  # up to this many activation rows, the float32 form multiplies as W·xᵀ
 EXACT_SPAN = 2048  # float32 holds every integer below 2**24, and 2048 products stay below it (63 * 127 * 2048)
 
 
@@ -58,18 +37,12 @@ def fbgemm_int8() -> bool:
 
 
 class ExactWeight:
-    """An int8 weight held for another kernel, multiplied with the bits of `torch._int_mm(parts, weight.T)`, for a
-    CPU whose `_int_mm` is slow (no VNNI: a scalar loop there), and for inputs of few tokens where it is fast
-    (FEW_TOKENS; fbgemm only).
+    """An int8 weight multiplied with the same bits as `torch._int_mm(parts, weight.T)` on another kernel: for CPUs
+    where `_int_mm` is slow, and for few tokens.
 
-    fbgemm's int8 kernel, where torch has it: it multiplies unsigned by signed bytes, exactly for 7-bit
-    activations, and sums in int32. It is called with the activations' quantization given (scale 1, zero point
-    64: every part's integer value passes unchanged, whoever shares the call) and the weight's scale 1, so the
-    result is the int32 sum as a float (its costs: docs/model-and-kernels.md).
-
-    Else float32 (W·xᵀ, `_float_mm`): every product is an integer of magnitude below 63 * 127, and every partial
-    sum of at most EXACT_SPAN of them stays below 2**24, where float32 adds integers exactly in any order, so no
-    kernel's blocking can change the result."""
+    On fbgemm's kernel the activations go in with scale 1 and zero point 64 and the weight with scale 1, so the result
+    is the exact int32 sum as a float. Else in float32: every partial sum of at most EXACT_SPAN products stays below
+    2**24, where float32 adds integers exactly in any order."""
 
     def __init__(self, weight: torch.Tensor, fbgemm: bool | None = None):
         assert weight.dtype == torch.int8 and weight.dim() == 2
@@ -82,7 +55,7 @@ class ExactWeight:
         """Hold the weight for the kernel now rather than on first use."""
         if self._held is None:
             if self.fbgemm:
-                with warnings.catch_warnings():  # (quantized tensors are deprecated; fbgemm's kernel is not gone yet)
+                with warnings.catch_warnings():  # quantized tensors are deprecated
                     warnings.simplefilter("ignore", UserWarning)
                     whole = torch._make_per_tensor_quantized_tensor(self._weight.contiguous(), 1.0, 0)
                 self._held = torch.ops.quantized.linear_prepack(whole, None)
@@ -99,16 +72,14 @@ class ExactWeight:
 
 
 def _float_mm(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """parts @ weight.T, as W·partsᵀ for a few rows, where MKL is faster (docs/model-and-kernels.md); exact sums
-    give both forms the same bits."""
+    """parts @ weight.T, as W·partsᵀ for few rows; exact sums give both forms the same bits."""
     if len(parts) <= SKINNY_ROWS:
         return (weight @ parts.t()).t().contiguous()
     return parts @ weight.t()
 
 
 FEW_TOKENS = 8  # where _int_mm is fast, inputs of up to this many tokens take fbgemm's kernel (kernels_for)
-# ... or up to this many app.kernels.int8_mm's, which has no fixed cost per call (docs/model-and-kernels.md)
-PACKED_FEW_TOKENS = 16
+PACKED_FEW_TOKENS = 16  # ... or up to this many app.kernels.int8_mm's
 
 
 class Int8Linear(nn.Module):
@@ -116,16 +87,15 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  exact: bool = False, few: int | None = None, packed: bool = False):
-        """`exact`: multiply on the exact kernel (ExactWeight) instead of with torch._int_mm: the same bits;
-        `packed`: on app.kernels.int8_mm's VNNI kernel (int8 parts; the same bits too); `few`: either only for inputs of
-        up to this many tokens (None: all)."""
+        """`exact`: multiply on ExactWeight, `packed`: on app.kernels.int8_mm's kernel (both the same bits as
+        torch._int_mm); `few`: either only for inputs of up to this many tokens (None: all)."""
         super().__init__()
         assert weight.dtype == torch.int8 and weight.dim() == 2 and scale.shape == weight.shape[:1]
         assert not (exact and packed), "one kernel for few tokens"
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
-        self.exact = ExactWeight(weight) if exact else None  # (not a buffer: derived from `weight`, never saved)
+        self.exact = ExactWeight(weight) if exact else None  # derived from `weight`: not a buffer
         self.packed = packed
         self._packed: PackedWeight | None = None  # made by prepare(), or on first use
         self.few = few
@@ -162,8 +132,8 @@ class Int8Linear(nn.Module):
         return cls.from_float(torch.cat([linear.weight for linear in linears]), bias, exact, few, packed)
 
     def rows(self, start: int, stop: int) -> Int8Linear:
-        """Output channels start..stop as their own layer, sharing this one's int8 memory (an exact kernel's
-        weight is held again for the slice: fbgemm's packed weights cannot be sliced)."""
+        """Output channels start..stop as their own layer, sharing this one's int8 memory (an exact kernel's weight is
+        held again)."""
         bias = None if self.bias is None else self.bias[start:stop]
         return Int8Linear(self.weight[start:stop], self.scale[start:stop], bias, self.exact is not None, self.few,
                           self.packed)
@@ -174,8 +144,8 @@ class Int8Linear(nn.Module):
         return self.scaled(parts, scale).view(*x.shape[:-1], self.out_features)
 
     def scaled(self, parts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The layer's output from split rows: their sums scaled back (combine_rows), in one call on the tile unit
-        where the packed kernel takes them (the int32 sums never in memory), the same bits either way."""
+        """The layer's output from split rows, scaled back; in one call where the packed kernel takes them, the same
+        bits either way."""
         if parts.dtype == torch.int8 and self.packed_for(len(parts) // 2):
             out = self.prepare()._packed.combined(parts, scale, self.scale, self.bias, FINE)
             if out is not None:
@@ -194,12 +164,12 @@ class Int8Linear(nn.Module):
         return self.few is None or tokens <= self.few
 
     def packed_for(self, tokens: int) -> bool:
-        """Whether an input of this many tokens goes to the packed kernel (app.kernels.int8_layer then calls it from C)."""
+        """Whether an input of this many tokens goes to the packed kernel."""
         return self.packed and self._few(tokens)
 
     def sums(self, parts: torch.Tensor) -> torch.Tensor:
-        """parts @ weight.T: int32 sums from `_int_mm` or the packed kernel for int8 parts, the same sums as
-        floats from the exact kernel for float parts (as `parts_dtype` chose)."""
+        """parts @ weight.T: int32 sums for int8 parts, the same sums as floats from the exact kernel for float parts.
+        """
         if parts.dtype != torch.int8:
             return self.exact.mm(parts)
         if self.packed_for(len(parts) // 2):
@@ -225,8 +195,8 @@ class Int8MLP(nn.Module):
 
 
 def _fuse_attention(attn: nn.Module, qkv: Int8Linear, o_proj: Int8Linear) -> None:
-    """q/k/v as one int8 matmul (`attn.qkv_proj`, what the ragged pass calls) and as three views of it (what
-    transformers' own forward calls): both compute the same numbers."""
+    """q/k/v as one int8 matmul (`attn.qkv_proj`, for the ragged pass) and as three views of it (for transformers' own
+    forward)."""
     parts = [attn.q_proj, attn.k_proj, attn.v_proj]
     attn.qkv_proj, at = qkv, 0
     for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
@@ -237,12 +207,9 @@ def _fuse_attention(attn: nn.Module, qkv: Int8Linear, o_proj: Int8Linear) -> Non
 
 @functools.cache
 def int8_matmul_is_fast() -> bool:
-    """Whether `torch._int_mm` beats a float32 matmul on this CPU, timed once per process: with VNNI it is several
-    times faster, without it a scalar loop many times slower (docs/model-and-kernels.md). A timing decides, not a
-    CPU flag, because which instructions torch's int8 kernel uses is its own business, and the two cases lie far
-    apart, beyond a shared machine's noise."""
-    # one decode token (two int8 parts against one float32 row) through an LM-head-like 8,192 x 576 matrix:
-    # 19 MB in float32, more than a core's caches hold, so the timing includes reading the weights, as in a step
+    """Whether `torch._int_mm` beats a float32 matmul on this CPU, timed once per process. A timing rather than a CPU
+    flag, since torch's kernel choice is its own and the two cases lie far apart."""
+    # one decode token through an LM-head-sized matrix, larger than the caches, as in a step
     rows, inner, out = 1, 576, 8192
     parts = torch.randint(-ACT_MAX, ACT_MAX + 1, (2 * rows, inner), dtype=torch.int8)
     weight = torch.randint(-QMAX, QMAX + 1, (out, inner), dtype=torch.int8)
@@ -254,12 +221,9 @@ def int8_matmul_is_fast() -> bool:
 @torch.no_grad()
 def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, torch.Tensor] | None = None,
             few: int | None = None, packed: bool = False) -> None:
-    """Convert a Llama, Qwen2 or Qwen3 model's projections (q/k/v as one, with their biases where the family has
-    them: app.model.family), MLPs and LM head to int8, in place (Qwen3's per-head q/k norms stay float32). `exact`: multiply on the
-    exact kernel (ExactWeight: the same bits as torch._int_mm), or with `packed` on app.kernels.int8_mm's, for inputs of
-    up to `few` tokens (None: all); exact None: all three chosen for this CPU (kernels_for). `saved`: int8_state()
-    of this model's conversion, taken instead of quantizing again where it holds a layer (app.model keeps it
-    beside the converted weights)."""
+    """Convert a covered model's projections (q/k/v fused), MLPs and LM head to int8 in place. `exact`, `packed`, `few`:
+    as Int8Linear's (exact None: chosen for this CPU by kernels_for); `saved`: an int8_state() of this model to reuse
+    instead of quantizing again."""
     if not supports(model):
         raise ValueError(f"int8 weights cover the fast path's families only: {fast_path_reason(model.config)}")
     if exact is None:
@@ -287,12 +251,9 @@ def to_int8(model: nn.Module, exact: bool | None = None, saved: Mapping[str, tor
 
 
 def kernels_for(config) -> tuple[bool, int | None, bool]:
-    """(exact, few, packed) for to_int8 on this CPU: where torch's int8 matmul is slow, the exact kernel for
-    everything (where every layer's rows are short enough for it); where it is fast, a kernel without a fixed
-    cost per call for few tokens (decode: the same bits, without _int_mm's per-call relayout of the weight) and
-    `_int_mm` for more: app.kernels.int8_mm's where the library has VNNI, else fbgemm's; where it also has AMX (and the
-    model's inner sizes suit its tiles), app.kernels.int8_mm's for every input. A library built with VNNI means the CPU
-    has it, and so does torch's `_int_mm` there: no timing, whose margin can be thin (docs/model-and-kernels.md)."""
+    """(exact, few, packed) for to_int8 on this CPU: app.kernels.int8_mm for every input where the library has AMX tiles
+    that suit the model; else a few-token kernel (int8_mm's with VNNI, else fbgemm's) with `_int_mm` for more where
+    `_int_mm` is fast; else the exact kernel for everything."""
     packed = int8_mm.available()
     if packed and int8_mm.any_tokens(config):
         return False, None, True
@@ -323,8 +284,7 @@ def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _prepare(model: nn.Module) -> None:
-    """Lay out every weight the ragged pass reads for its few-token kernel now, two at a time, so that the first
-    question does not pay for it. The q/k/v views (transformers' own forward only) are laid out on first use."""
+    """Lay out every weight the ragged pass reads now, two at a time, so the first question does not pay for it."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2, thread_name_prefix="int8-prepare") as pool:

@@ -1,15 +1,7 @@
-"""The one owner of a session's token ids and of the KV cache that covers a prefix of them.
-
-Invariant, checked before every forward pass: the cache holds keys/values for exactly `ids[:cached]`, with
-`cached < len(ids)`, so each pass feeds only the uncached suffix. Any other state makes the model compute
-wrong logits without an error, which is why nothing else touches the cache.
-
-A session may hold the system prompt's keys/values by reference instead of by copy (`fork(share=True)`): the
-engine's prefilled prompt cache is its read-only *prefix*, and the session's own cache covers only the positions
-after it. Where the model runs through app.model.ragged, attention reads both parts (cascade attention); every other
-path gets one ordinary cache (`forward` joins the two first). So twenty chats hold one copy of the prompt's
-keys/values, not twenty, and KV_BUDGET_MB counts what each session really adds.
-"""
+"""The one owner of a session's token ids and of the KV cache over a prefix of them. Invariant, checked before every
+pass: the cache holds exactly `ids[:cached]`, with `cached < len(ids)`; anything else gives wrong logits silently, so
+nothing else touches the cache. A session may read the engine's system-prompt cache as a read-only prefix
+(`fork(share=True)`) instead of copying it."""
 
 from __future__ import annotations
 
@@ -19,9 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-# A layer's storage grows by this much room at a time. It is also the KV budget's grain: every session holds up
-# to this much spare room, and a job reserves room in these steps (app.serving.sessions.kv_reserve), so a small
-# step lets more sessions fit a budget, and growing more often costs nothing measurable (docs/architecture.md).
+# A layer's storage grows by this much room at a time; also the KV budget's grain (docs/architecture.md).
 GROW_TOKENS = 32
 
 
@@ -31,14 +21,9 @@ def room_for(tokens: int) -> int:
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys/values live in storage with room to spare, written in place.
-
-    transformers' DynamicLayer concatenates at every pass, copying the whole layer each decode step; here a step
-    writes only its new positions and the storage is copied only when it grows (every GROW_TOKENS tokens). The
-    positions held are a count, and `keys`/`values` views of the storage are made only when read, since a pass
-    grows every layer of every row in the scheduler thread while the C attention reads the storage itself. An
-    assignment of anything but such a view (transformers' reorder, batch and device moves) turns the layer back
-    into a plain DynamicLayer until it next grows."""
+    """A DynamicLayer whose keys/values live in storage with spare room, written in place, so a step writes only its new
+    positions. `keys`/`values` are views made when read; assigning anything else turns it back into a plain DynamicLayer
+    until it next grows."""
 
     _storage: tuple[torch.Tensor, torch.Tensor] | None = None
     _length = 0  # positions held, while the layer lives in _storage
@@ -86,10 +71,8 @@ class GrowingLayer(DynamicLayer):
 
     def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor,
                 count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Room for `count` positions (default: key_states') after the n held: (key storage, value storage, n),
-        each storage contiguous [..., room, head_dim] like key_states'. The layer covers the new positions from now
-        on, so the caller writes them before anything reads it (update; app.kernels.attend_rows.Batch, whose C call
-        writes a whole pass's keys at each row's place)."""
+        """Room for `count` positions (default: key_states') after the n held: (key storage, value storage, n). The
+        layer covers the new positions at once, so the caller writes them before anything reads it."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.get_seq_length()
@@ -106,8 +89,7 @@ class GrowingLayer(DynamicLayer):
 
 
 def new_kv(config) -> DynamicCache:
-    """A DynamicCache whose full-attention layers grow in place (sliding-window layers stay as transformers has
-    them)."""
+    """A DynamicCache whose full-attention layers grow in place."""
     kv = DynamicCache(config=config)
     kv.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in kv.layers]
     return kv
@@ -179,9 +161,8 @@ class TokenCache:
         self._kv, self._kv_ids, self._prefix = None, [], None
 
     def fork(self, share: bool = False) -> "TokenCache":
-        """An independent copy (a shared prefix stays shared). With `share`, the copy reads this cache's
-        keys/values as its prefix instead of copying them: a new session starting from the engine's prefilled
-        prompt, which must then never change (app.engine keeps it so)."""
+        """An independent copy (a shared prefix stays shared). With `share`, the copy reads this cache's keys/values as
+        its prefix, which must then never change."""
         other = TokenCache(self._ids)
         if share and self._prefix is None and self._kv is not None and self.cached == len(self._ids):
             other._prefix = self._kv
@@ -191,9 +172,8 @@ class TokenCache:
         return other
 
     def reuse(self, prefix: "TokenCache", share: bool = False) -> bool:
-        """A session that lost its keys/values (evicted) and whose ids start with `prefix`'s cached ids (the shared
-        system prompt) copies those (or, with `share`, reads them in place) instead of recomputing them; its own
-        tokens are prefilled as usual."""
+        """For an evicted session whose ids start with `prefix`'s cached ids: copy those (or, with `share`, read them in
+        place) instead of recomputing them; whether it did."""
         n = prefix.cached
         if self._kv is not None or self._prefix is not None or not n or n >= len(self._ids) \
                 or self._ids[:n] != prefix._kv_ids:

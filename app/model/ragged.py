@@ -1,25 +1,8 @@
-"""One forward pass over several sessions' new tokens at once, each attending only to its own KV cache.
-
-Serving engines batch every active sequence into each step because a small model's step is bound by reading its
-weights: 8 rows cost little more than 1. Here the rows are *ragged*, as in vLLM: their new tokens (one for a
-decoding row, a chunk for a prefilling one) are laid end to end in one sequence for the layers that hold the
-weights (projections, MLP, LM head), and split again only for attention, where each row reads and extends its
-own session's DynamicCache. No padding, no masks between rows, no batch-resident copy of anyone's keys/values:
-after the pass each session's cache holds exactly its own tokens, as after a solo pass.
-
-A row may read a shared prefix (the system prompt's keys/values, held once for every session: app.model.kvcache): its
-queries attend to the prefix and to its own keys in two parts, merged by their log-sum-exp (cascade attention,
-as in FlashInfer), so the prefix is never copied. Every row reading one prefix reads it in the same kernel call,
-as FlashInfer's shared-prefix batch decode does: its keys/values are read once a step instead of once a row
-(docs/architecture.md). Rows with up to 64 new tokens
-(decoding, drafts, questions, tool results) do all of this in one C call a layer instead (app.kernels.attend_rows: cache
-writes, the prefix's part and their own as one softmax); the kernels above serve longer rows (prefill chunks).
-
-Around attention a layer is the model's own modules (`TorchLayers`), or for int8 weights a few C calls
-(app.kernels.int8_layer), and where every row attends in app.kernels.attend_rows, one C call for all the layers. Llama,
-Qwen2 and Qwen3 decoders (the bundled SmolLM2 is a Llama), their differences read from one layer description
-(app.model.family.LayerShape); `supports()` says whether a model can take this path, `fast_path_reason` why not.
-"""
+"""One forward pass over several sessions' new tokens at once, each attending only to its own KV cache. The rows are
+ragged, as in vLLM: laid end to end for the layers that hold weights, split only for attention, with no padding or masks
+between rows. A row reading a shared prefix merges its attention over the prefix and over its own keys by log-sum-exp
+(cascade attention); short rows do all this in one C call a layer (app.kernels.attend_rows), and int8 layers run in C
+(app.kernels.int8_layer)."""
 
 from __future__ import annotations
 
@@ -35,10 +18,9 @@ from app.kernels.int8_layer import fused_layers
 from app.model.family import FAMILIES, LayerShape, fast_path_reason, layer_shape
 
 SUPPORTED = frozenset(FAMILIES)
-# PyTorch's CPU flash attention multiplies queries by keys in blocks of up to 32 queries (64 from 192 queries a
-# call on), and a block of fewer than 4 queries takes another matrix-product path with other rounding (a query
-# gets the same bits in any block of 4 to 32). So shared-prefix calls are padded to a multiple of 4
-# queries and kept under 192: every block holds 4 or more, whoever shares the call (tests/test_int8.py).
+# PyTorch's CPU flash attention rounds a block of fewer than 4 queries differently, and its blocks grow from 192
+# queries a call: shared-prefix calls are padded to a multiple of 4 and kept under 192 so a query's bits never
+# depend on who shares the call.
 QUERY_PAD = 4
 QUERIES_PER_CALL = 160
 
@@ -128,9 +110,8 @@ def _prefix_readers(rows: list[Row], skip: set[int]) -> list[list[int]]:
 
 def _prefix_attention(query: torch.Tensor, rows: list[Row], spans: list[tuple[int, int]], readers: list[list[int]],
                       index: int, scale: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Every row's attention over its shared prefix in layer `index` (row number -> output, log-sum-exp): one
-    call per prefix for all the rows that read it (`readers`), so a prefix's keys are read once a step, not once
-    a row."""
+    """Every row's attention over its shared prefix in layer `index` (row number -> output, log-sum-exp), one call per
+    prefix for all the rows that read it."""
     _, heads, _, dim = query.shape
     parts = {}
     for members in readers:
@@ -144,7 +125,7 @@ def _prefix_attention(query: torch.Tensor, rows: list[Row], spans: list[tuple[in
         at = 0  # the members' tokens lie end to end in `tokens`
         for i in members:
             b = at + spans[i][1] - spans[i][0]
-            # (contiguous, as a row alone gets them: the merge's elementwise kernels then take the same path)
+            # contiguous, as a row alone gets them, so the merge takes the same kernels
             parts[i] = out[:, :, at:b].contiguous(), lse[:, :, at:b].contiguous()
             at = b
     return parts
@@ -156,8 +137,8 @@ def _merge(head: torch.Tensor, head_lse: torch.Tensor, own: torch.Tensor, own_ls
 
 
 class TorchLayers:
-    """A layer as the model's own modules compute it (any weights): what ragged_forward asks of a layer besides
-    attention. app.kernels.int8_layer.FusedInt8Layers answers the same for int8 weights in a few C calls."""
+    """A layer besides attention as the model's own modules compute it (any weights);
+    app.kernels.int8_layer.FusedInt8Layers does the same for int8 in C."""
 
     @staticmethod
     def attention_inputs(layer, shape: LayerShape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -197,10 +178,8 @@ def _qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @torch.inference_mode()
 def ragged_forward(model, rows: list[Row]) -> list[torch.Tensor]:
-    """Run every row's new tokens through `model` in one pass; return each row's last `keep` logits.
-
-    Each row's cache grows by its tokens in every layer. If the pass raises, caches may be partly extended:
-    the caller restores them (app.model.kvcache.TokenCache.rollback)."""
+    """Run every row's new tokens through `model` in one pass; return each row's last `keep` logits. If it raises,
+    caches may be partly extended: the caller rolls them back (TokenCache.rollback)."""
     inner = model.model
     spans, at = [], 0
     for row in rows:

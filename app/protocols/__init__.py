@@ -23,9 +23,8 @@ def resolve(name: str, tokenizer) -> str:
 
 
 def make_protocol(name: str, tokenizer, special_token_texts: list[str] | tuple[str, ...] = ()) -> Protocol:
-    """The protocol `name` (or `auto`'s choice) for a backend's tokenizer. `chat` renders with the tokenizer's own
-    template where it renders tools, else with the project's (assets/chat_template.jinja); ValueError where that
-    template cannot follow a tool conversation."""
+    """The protocol `name` (or `auto`'s choice) for a backend's tokenizer; `chat` uses the tokenizer's template where it
+    renders tools, else the project's. ValueError where that template cannot follow a tool conversation."""
     chosen = resolve(name, tokenizer)
     if chosen == "textenv":
         return TextEnvProtocol(tokenizer, special_token_texts)

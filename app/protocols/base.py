@@ -1,9 +1,6 @@
-"""What a protocol is: how a session's text is written as token ids, where a model segment stops, how a tool call is
-read from it and how the tool's result goes back, what untrusted text may not forge, and the guide's grammar.
-
-The engine (app.engine.engine) knows only this interface; two protocols implement it: app.protocols.textenv (TRL's
-TextEnvironment markers) and app.protocols.chat (the model's chat template with `tools=`).
-"""
+"""What a protocol is: how a session's text becomes token ids, where a model segment stops, how a tool call is read and
+its result goes back, what untrusted text may not forge, and the guide's grammar. The engine knows only this interface;
+app.protocols.textenv and app.protocols.chat implement it."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class Protocol(ABC):
     cut_stops: frozenset[str] = frozenset()  # stop strings dropped from the segment's tokens (not part of it)
     answer_ends_at_eos: bool = True  # a finished answer's last token is EOS (textenv's is its `<submit>` marker)
     answer_stops: tuple[str, ...] = ()  # stop strings that end an answer, as EOS does (textenv's `<submit>`)
-    # the protocol's markers that the tokenizer has as special tokens (Qwen's `<tool_call>`): a segment's text
-    # shows them (app.decoding.stops.segment_text), as it leaves out every other special token
+    # the protocol's markers the tokenizer has as special tokens (Qwen's `<tool_call>`): a segment's text shows them
     marker_ids: frozenset[int] = frozenset()
 
     @abstractmethod

@@ -1,12 +1,9 @@
 """Tool calls in the model's own chat format: the chat template renders the tools, the conversation and each tool
-result (`apply_chat_template(tools=)`), the model writes `<tool_call>` JSON.
+result, and the model writes `<tool_call>` JSON.
 
-Token in, token out: the prompt is rendered once; every later piece (a question, a tool result) is the template's
-own text around it (app.protocols.chat_template), appended as ids, so the session's ids never change and the KV
-cache resumes after them. A model segment ends at the call's closing tag (`</tool_call>`: string match), at EOS
-(`<|im_end|>`) or a length limit; the calls in it (one object, or a JSON list of them) are validated against the
-tools' JSON schemas (app.tools.functions via transformers' get_json_schema) and run in order, each its own tool
-segment.
+The prompt is rendered once; every later piece is the template's own text around it (app.protocols.chat_template),
+appended as ids, so the session's ids never change and the KV cache resumes after them. A segment ends at
+`</tool_call>`, EOS or a length limit; its calls are validated against the tools' JSON schemas and run in order.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ class ChatProtocol(Protocol):
 
     def query_ids(self, question: str, ids: list[int], first: bool) -> list[int]:
         opening, closing = self.pieces.question
-        # after the prompt (it ends with its last example's answer, closed) or an answer: the session's text ends
-        # with the part of `opening` that closes an answer (its EOS; the prompt's whole close) or has none of it
+        # after the prompt or an answer the text ends with the part of `opening` that closes an answer, or none of it
         tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         cut = next((n for n in range(len(opening), 0, -1) if tail.endswith(opening[:n])), 0)
         return (self._template_ids(opening[cut:]) + self._text_ids(self.neutralize(question))

@@ -1,11 +1,7 @@
 """The chat protocol's guide: a reply is an answer (one line, ended by EOS, never opening with a call's JSON) or one
-call of a session's tool whose JSON follows the tool's schema (its name, its one argument, a string of at most the
-tool's `max_query` characters), between the template's call tags; after a tool's result the answer begins with what
-the examples copy from it, as in the textenv guide (app.decoding.guide).
-
-The grammar is GBNF, the one format llguidance (in process), llama.cpp's server (`grammar`) and vLLM all take; the
-call's JSON is written from the schema here rather than by llguidance's `%json`, which only its Lark syntax has.
-"""
+call of a session's tool whose JSON follows the tool's schema, between the template's call tags; after a tool's result
+the answer begins with what the examples copy from it. GBNF, with the call's JSON written from the schema here, since
+llguidance's `%json` exists only in its Lark syntax."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""The chat protocol's prompt: a system message and worked examples, written as an editable template
-(assets/chat_prompt.txt) and rendered as chat messages by the chat template, tools listed.
+"""The chat protocol's prompt: a system message and worked examples from an editable template (assets/chat_prompt.txt),
+rendered as chat messages by the chat template.
 
-The template's first paragraph is the system message (`{abilities}` and `{actions}` named as in the textenv prompt,
-app.protocols.naming); each later paragraph is an example: `Q: question`, then either `A: answer` or
-`> tool: argument`, a call whose result the tool itself gives and whose answer, `Result = ...`, is copied from it:
-
-    Q: What is 13 * 7?
-    > calculator: 13 * 7
-
-becomes a user message, an assistant call, the tool's message and the answer, so the examples stay true when a tool
-changes. An example of a tool the session lacks is left out.
+The first paragraph is the system message (`{abilities}`, `{actions}` as in app.protocols.naming); each later one is an
+example, `Q: question` then `A: answer` or `> tool: argument`, whose result the tool itself gives and whose answer is
+copied from it, so the examples stay true when a tool changes. Examples of tools the session lacks are left out.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""What a chat template writes around a turn, a call and a tool result, read once from the template itself.
-
-The template is rendered with placeholders (app.protocols.chat never re-renders a conversation): the text between
-an answer and the next question, between a question and the answer, the call's own syntax (its opening, whether it
-holds a JSON list, its closing tag) and the text around each tool result. Appending these pieces keeps every earlier
-token as it is, so the KV cache resumes exactly after them; a template that would render past turns differently
-(e.g. drop earlier reasoning) is followed by appending, not by re-rendering.
-"""
+"""What a chat template writes around a turn, a call and a tool result, read once by rendering the template with
+placeholders. Appending these pieces keeps every earlier token as it is, so the KV cache resumes exactly after them; a
+template that would render past turns differently is still followed by appending, never re-rendered."""
 
 from __future__ import annotations
 
@@ -79,8 +74,7 @@ class TemplatePieces:
     @cached_property
     def question(self) -> tuple[str, str]:
         """(the text from an answer's end to a question, from the question to the answer's start)."""
-        # (only the text after the answer is read: a template that renders the answer itself differently once a
-        # question follows, as Qwen3's drops an empty reasoning block, is followed by appending)
+        # only the text after the answer is read, even where a template renders the answer differently later
         after = self.render(self._base + [{"role": "assistant", "content": _ANSWER},
                                           {"role": "user", "content": _P.format(0)}], True)
         tail = after[after.index(_ANSWER) + len(_ANSWER):]

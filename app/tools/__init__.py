@@ -1,8 +1,5 @@
-"""Tools the model can call (`<request><Name>query<call>`).
-
-Import-light: standard library only (no torch/transformers anywhere under app/tools), so the
-calculator can be imported from a separate environment.
-"""
+"""Tools the model can call. Standard library only (no torch or transformers under app/tools), so the calculator can be
+imported from a separate environment."""
 
 from app.tools.base import Misrouted, Tool, ToolError, ToolResult
 from app.tools.registry import default_tools, find_tool, get_tools, run_tool

@@ -7,9 +7,8 @@ from typing import Callable
 
 
 class ToolError(Exception):
-    """A rejection with a short, user-facing message (shown to the model as `error: <message>`). `hint`: (another
-    tool's name, advice that names it), added to the message only where that tool is in the session's tool set:
-    advice to use a tool that is switched off would send the model to an unknown tool."""
+    """A rejection with a short, user-facing message (shown to the model as `error: <message>`). `hint`: (another tool's
+    name, advice naming it), added only where that tool is in the session's tool set."""
 
     def __init__(self, message: str, hint: tuple[str, str] | None = None):
         super().__init__(message)
@@ -17,9 +16,8 @@ class ToolError(Exception):
 
 
 class Misrouted(ToolError):
-    """A query that belongs to another tool (`tool`): run_tool passes it on where the session has that tool, and
-    the model reads that tool's output; elsewhere it is this error. Why: a small model sends small sums to Search
-    ("What is 3 - 7?"), and given an error naming the Calculator's result it answers from the operands."""
+    """A query that belongs to another tool (`tool`): run_tool passes it on where the session has that tool, else it is
+    this error. Small models send small sums to Search."""
 
     def __init__(self, message: str, tool: str):
         super().__init__(message)
@@ -38,12 +36,10 @@ class Tool:
     answer: Callable[[str], str] = _as_is  # the answer a few-shot example gives from this tool's output
     ability: str = ""  # what the assistant has, in a greeting's words ("a calculator"): a prompt's {abilities}
     action: str = ""  # what a visitor may ask of it ("calculate"): a prompt's {actions} (none: "use <name>")
-    # the query this tool takes from a question it answers whatever the model would write (the Calculator: a sum
-    # written in symbols); None where the model decides
+    # the query this tool takes from a question it claims, whatever the model writes; None: the model decides
     claims: Callable[[str], str | None] | None = None
     max_query: int = 200  # the longest input a guided call writes (app.decoding.guide): where it is reached, the call ends
-    # the tool as a typed function of its one argument, with a docstring (app.tools.functions): its JSON schema is
-    # what the chat protocol lists, validates calls against and guides; None: the tool has no chat form
+    # the tool as a typed, documented function (app.tools.functions) for its JSON schema; None: no chat form
     typed: Callable[..., str] | None = None
 
 

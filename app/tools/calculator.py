@@ -1,15 +1,8 @@
-"""A safe calculator for model-written arithmetic. Pure standard library, never `eval`.
+"""A safe calculator for model-written arithmetic: standard library only, never `eval`.
 
-`calculate("12*(3+4)") -> "84"`. The text is normalised (×, ÷, ^, unicode minus, thousands
-separators, a trailing `=` or `?`, operators in words between numbers: "square root of 2",
-"15 times 4", "5!"), parsed with `ast.parse(mode="eval")` and walked with an
-allowlist; the numbers it computes with, their size bounds and how a result is printed are
-app.tools.numbers. Every bound is checked before the work it guards is done, so no input can
-hang the process or exhaust memory:
-
-- input at most 200 characters (checked before parsing; parser recursion/memory errors caught),
-- at most 64 expression nodes,
-- numbers, products and powers as app.tools.numbers bounds them (4,096 bits; factorial to 170).
+The text is normalised (×, ÷, ^, thousands separators, operators in words), parsed with `ast.parse(mode="eval")` and
+walked with an allowlist; numbers and their bounds are app.tools.numbers'. Every bound (200 characters, 64 expression
+nodes, the number sizes) is checked before the work it guards, so no input can hang the process or exhaust memory.
 """
 
 from __future__ import annotations
@@ -35,16 +28,12 @@ _REPLACEMENTS = {
     "^": "**",
     "（": "(", "）": ")",
 }
-# 1,000 / 12,345,678 / 1,234.5: a 1-3 digit group at the start of a number, then groups of
-# exactly three digits. A comma followed by a space, or by a group of another size, is left
-# alone, so `log(8,2)` and `log(100, 10)` keep their argument commas; `log(100,100)` (one comma,
-# directly inside log) is read as log(x, base) too.
+# Thousands separators (1,000 / 1,234.5): groups of exactly three digits after the first, so argument commas
+# such as `log(8,2)` and `log(100, 10)` stay; `log(100,100)` is read as log(x, base) too.
 _THOUSANDS = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)")
 # "25% of 640", as the model writes a question's percentage; a bare % stays Python's modulo.
 _PERCENT_OF = re.compile(r"(\d+(?:\.\d+)?)\s*(?:%|percent)\s*of\b\s*", re.IGNORECASE)
-# Operators in words, as a visitor types them and the model passes them on (unread, "square root of 2" would go
-# to Search): only between numbers (or brackets), so a phrase that is not arithmetic stays words. A number here:
-# digits, with a point or thousands commas.
+# Operators in words ("square root of 2"), only between numbers or brackets, so other phrases stay words.
 _NUMBER = r"\d[\d,]*(?:\.\d+)?"
 _IN_WORDS = [(re.compile(rf"\b(?:the\s+)?square\s+root\s+of\s+({_NUMBER})", re.IGNORECASE), r"sqrt(\1)"),
              (re.compile(rf"({_NUMBER}|\))\s+squared\b", re.IGNORECASE), r"\1**2"),
@@ -251,10 +240,8 @@ def reads(expression: str) -> bool:
     return True
 
 
-# A sum written in symbols: numbers (1,250 / 2.5) joined by operators, with brackets and spaces ("2 + 2 * 3",
-# "(12 + 8) * 5", "2^10", "-5 + 3"); words are not part of it ("10 percent of 50" is left to the model), nor is a
-# sum that is a piece of something the Calculator reads whole (sqrt(16) + 4, 1e3 + 1, x^2 + 3: no letter, point
-# or ^ just before it, no letter or bracket just after)
+# A sum written in symbols: numbers joined by operators, brackets and spaces ("(12 + 8) * 5", "2^10"), no words,
+# and not a piece of something larger (no letter, point or ^ just before it, no letter or bracket just after)
 _NUMBER = r"\d[\d,]*(?:\.\d+)?"
 _SUM = re.compile(rf"(?<![\w.^])(?:[-(]\s*)*{_NUMBER}[)\s]*"
                   rf"(?:(?:\*\*|[-+*/×÷^])[(\s]*-?{_NUMBER}[)\s]*)+(?![\w(]|\.\d)")
@@ -264,10 +251,9 @@ _SPELLED = {"×": "*", "÷": "/"}  # (SmolLM2 has no token for "÷": the call co
 
 
 def sum_in(question: str) -> str | None:
-    """The one sum a question writes in symbols, where the calculator reads it ("What is 2 + 2 * 3?" -> "2 + 2 *
-    3"; × and ÷ as * and /, one space for each run of them); None for none, more than one, or a ratio, date or
-    score-like `a/b` or `a-b` ("the 80/20 rule", "24/7": the model says what they are). Why: left to itself, the
-    small model miscopies such a sum into its call, or answers with no call (docs/answer-quality-history.md)."""
+    """The one sum a question writes in symbols, as the calculator reads it ("What is 2 + 2 * 3?" -> "2 + 2 * 3"); None
+    for none, more than one, or a ratio, date or score-like `a/b` or `a-b`. Left alone, the small model miscopies such
+    sums or skips the call."""
     if not _MAY_HOLD_A_SUM.search(question):
         return None
     found = [match.group(0).strip().rstrip(",") for match in _SUM.finditer(question)]

@@ -1,9 +1,6 @@
-"""The tools as typed Python functions with Google-style docstrings: what a chat template lists and a call names.
-
-`transformers.utils.get_json_schema` reads each one's type hints and docstring into the JSON schema that the chat
-protocol (app.protocols.chat) renders into the prompt, validates calls against and builds the guide's grammar from.
-Each function takes the one argument its tool's query is, and returns the same text the tool does.
-"""
+"""The tools as typed Python functions with Google-style docstrings, which `get_json_schema` reads into the JSON schema
+the chat protocol lists, validates calls against and guides by. Each takes its tool's one argument and returns the
+tool's text; their docstrings are the schema, so they are written for the model."""
 
 from __future__ import annotations
 

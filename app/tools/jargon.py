@@ -1,10 +1,6 @@
-"""Reading Jargon File entries: the opening of a definition as clean text, and "see X" redirects.
-
-An entry's text starts with its pronunciation and part of speech (`/kluhj/ n.`), often an etymology in
-brackets, then numbered senses with their own brackets (`1. [techspeak] A multiple-precision ...`). What a
-person asking "what does X mean" needs, and what a small model can copy, is the first sense's first sentence
-or two without that apparatus.
-"""
+"""Reading Jargon File entries: the opening of a definition as clean text, and "see X" redirects. An entry starts with
+pronunciation, part of speech and etymology before its numbered senses; what a small model can copy is the first sense's
+first sentence or two without that apparatus."""
 
 from __future__ import annotations
 
@@ -13,17 +9,14 @@ import re
 MAX_DEFINITION_CHARS = 160  # about 35 tokens: short enough for a small model to copy whole
 _SHORT_SENTENCE = 20  # a first sentence shorter than this gets the next one too
 
-# One piece of the apparatus before a definition: a pronunciation, a part of speech, a bracketed
-# note, a sense number, or separating punctuation.
-# (The labels also come without their period where a comma or the paragraph's end follows: "n.,vi", "adj"; an
-# empty pronunciation is "//". "Abbrev. for “As Far As I Know”" opens a definition, not a label.)
+# One piece of the apparatus before a definition: a pronunciation, a part of speech (with or without its
+# period), a bracketed note, a sense number, or separating punctuation.
 _PART_OF_SPEECH = (r"(?:pl\.\s*)?(?:n|v|vt|vi|adj|adv|interj|imp|prep|excl|conj|pron|abbrev|suff|pref|prov|quant|cav"
                    r"|obs)(?:\.|(?=,|\s*\Z))(?!\s*for\b)")
 _APPARATUS = re.compile(
     rf"\A(?:\s+|[,;:]|/[^/\n]{{0,40}}/|{_PART_OF_SPEECH}|\[[^\]]*\]|\(also [^)]*\)|\d{{1,2}}\.(?=\s))", re.IGNORECASE)
 _BRACKETS = re.compile(r"\s*\[[^\]]*\]")
-# "Abbrev. for “As Far As I Know”": what the abbreviation stands for is its meaning, unquoted, which the model
-# copies (docs/answer-quality-history.md).
+# "Abbrev. for “As Far As I Know”": the expansion, unquoted, is the meaning the model copies.
 _ABBREV_FOR = re.compile(r"\AAbbrev\.\s+for\s+(?:[“‘]([^”’]*)[”’])?")
 _FIRST_SENSE = re.compile(r"^1\.\s", re.MULTILINE)
 _NOT_DEFINITIONS = ("“", "‘", "Also ")  # usage examples and alias notes ("Also bit decay.")
@@ -43,10 +36,7 @@ def strip_apparatus(text: str) -> str:
 
 
 def first_sense(text: str) -> str:
-    """The paragraph of sense 1 when the entry numbers its senses, else its first paragraph, apparatus removed.
-
-    (Text between the header and sense 1 is usually a usage note: "The emphatic form is grok in fullness.")
-    """
+    """The paragraph of sense 1 when the entry numbers its senses, else its first paragraph, apparatus removed."""
     numbered = _FIRST_SENSE.search(text)
     body = text[numbered.start():] if numbered else text
     for paragraph in body.split("\n"):
@@ -73,9 +63,8 @@ def shorten(text: str, limit: int) -> str:
 
 def opening(text: str, limit: int = MAX_DEFINITION_CHARS) -> str:
     """The first sentence (two when the first is very short) of sense 1, brackets removed, at most `limit` chars,
-    without its final period. Quoted usage examples ("“Your patches are bogus.”") and alias notes ("Also bit
-    decay.") are skipped. (Without the period, the model copying a definition into its answer goes on with
-    `<submit>`, not a new line and a new question: docs/answer-quality-history.md.)"""
+    without its final period (so a model copying it ends with `<submit>`). Quoted usage examples and alias notes are
+    skipped."""
     sense = " ".join(_BRACKETS.sub("", first_sense(text)).split())
     expanded = _ABBREV_FOR.match(sense)  # (an abbreviation's expansion says it all, however short)
     if expanded:

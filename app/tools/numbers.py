@@ -1,14 +1,6 @@
-"""The calculator's numbers: exact ints and fractions, floats only where a function needs one, every size bound
-checked before the work it guards, and how a result is printed. Pure standard library.
-
-- exact numbers (ints and fractions) at most 4,096 bits in numerator and denominator,
-- `a**b` with an exact base: rejected when (bit_length(a) - 1) * |b| > 4,096,
-- `a*b`: rejected when the bit lengths add up to more than 4,097,
-- factorial only for 0..170, `round` with one argument only, no inf/nan results.
-
-Integer arithmetic is exact (Python ints; `/` gives a Fraction, printed as an int when integral). Floats are
-printed with 12 significant digits, so `0.1+0.2` gives `0.3`.
-"""
+"""The calculator's numbers: exact ints and fractions (at most 4,096 bits each), floats only where a function needs one,
+every size bound checked before the work it guards, and how a result is printed (floats with 12 significant digits, so
+`0.1+0.2` gives `0.3`). Standard library only."""
 
 from __future__ import annotations
 

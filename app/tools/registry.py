@@ -1,14 +1,7 @@
-"""Tool registry: what a tool is, how it is looked up and how a call becomes a result.
-
-A tool is a function from the query text the model wrote to a short result text. A tool
-failure never crashes an episode: `run_tool` turns it into a `ToolResult(ok=False)` that the
-model reads like any other output.
-
-Adding a tool: write `def my_tool(query: str) -> str` (raise `ToolError` for a bad query) and
-add one `Tool(...)` line to `default_tools()`, with the words a greeting names it by (`ability`, `action`).
-
-Import-light on purpose: only the standard library here (the tools are imported lazily).
-"""
+"""Tool registry: what a tool is, how it is looked up and how a call becomes a result. A tool maps the query the model
+wrote to a short text; a failure never crashes an episode, since `run_tool` returns it as `ToolResult(ok=False)`. To add
+one, write `def my_tool(query: str) -> str` (raising `ToolError` for a bad query) and add a `Tool(...)` line to
+`default_tools()`. Standard library only; the tools are imported lazily."""
 
 from __future__ import annotations
 
@@ -49,10 +42,8 @@ def find_tool(tools: Mapping[str, Tool], name: str) -> Tool | None:
 
 
 def get_tools(names: Iterable[str] | None = None) -> dict[str, Tool]:
-    """Select built-in tools by name, case-insensitively (None: all of them).
-
-    Raises ValueError naming the unknown tool and the available ones.
-    """
+    """Select built-in tools by name, case-insensitively (None: all); ValueError names an unknown one and the available
+    ones."""
     available = default_tools()
     if names is None:
         return available

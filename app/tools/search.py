@@ -1,21 +1,10 @@
-"""Search tool: the Jargon File in an SQLite FTS5 index, behind a swappable interface.
+"""Search tool: the Jargon File in an SQLite FTS5 index, behind a swappable interface (`SearchBackend`).
 
-`search_tool("kludge")` answers what a person asking "what does kludge mean" needs, as text short enough for a
-small model to copy: when the query names a headword (any case, a plural, or an entry that only points to
-another, like kludge -> kluge) just that entry, `title: opening of its definition`; otherwise the best BM25
-entries, one such line each; and when no entry matches by name or by word, the headword spelled most like the
-query (`sneakernet (closest to "skewernet"): ...`). Another backend (embeddings, a web API) only has to provide
-`SearchBackend.search`.
-
-The index is built by this module, once, from the committed corpus
-`assets/jargon/jargon.jsonl.gz` into `cache_dir()/jargon-<hash>.db` (hash of the corpus and of
-the index layout, so a changed corpus gets a new file). It is written to a temporary file and
-renamed into place, so concurrent first starts are safe, then opened read-only and shared by
-all threads: it holds no user state.
-
-User text never reaches FTS5 syntax: the query is reduced to `\\w+` terms, each quoted, joined
-with ` OR ` and bound as a parameter, so `C++`, `what's`, `"x`, `AND`, `foo:bar`, `-x`, `*`
-cannot raise a syntax error or change the query's meaning.
+A query naming a headword (any case, a plural, or a redirect such as kludge -> kluge) gets that entry as `title:
+opening`; else the best BM25 entries, one line each; else the headword spelled most like the query. The index is built
+once from `assets/jargon/jargon.jsonl.gz` into the cache folder under a hash of corpus and layout, written to a
+temporary file and renamed, so concurrent first starts are safe; it is opened read-only and shared by all threads. User
+text never reaches FTS5 syntax: the query is reduced to `\\w+` terms, each quoted and bound as a parameter.
 """
 
 from __future__ import annotations
@@ -49,9 +38,8 @@ CLOSEST = 0.7  # difflib ratio for "did you mean": skewernet -> sneakernet 0.74;
 MAX_OUTPUT_CHARS = 400
 MAX_TERMS = 32
 MAX_QUERY_CHARS = 500
-# A guided look-up's query is at most this long: longer than 99 % of the 2,307 headwords (26 characters), and
-# shorter than a loop the repetition stop catches, so a query the model writes over and over ("jargon_file_
-# jargon_file_...") ends as a call that runs
+# A guided look-up's query is at most this long: longer than nearly every headword, and shorter than a loop the
+# repetition stop catches, so a query the model repeats ends as a call that runs
 GUIDED_QUERY_CHARS = 32
 NO_RESULTS = "no results for"  # the output where nothing matched: `no results for "query"`
 _NUMBER_ALONE = re.compile(r"[-+]?[\d.,]+")  # a look-up even where the Calculator reads it: "404"
@@ -324,24 +312,21 @@ def is_arithmetic(query: str) -> bool:
     return any(char.isdigit() for char in text) and not _NUMBER_ALONE.fullmatch(text) and reads(text)
 
 
-# A question that asks what one term means, and nothing else ("Define toaster.", "What is a magic cookie?", "What
-# does grok mean?", "Explain the term semi.", "What does TLA stand for?", "Explain what a daemon is."); "what's" is
-# left out: "What's up?" is a greeting, and up a headword
+# A question that asks what one term means and nothing else ("Define toaster.", "What does grok mean?"); "what's"
+# is left out: "What's up?" is a greeting
 _ASKS_A_TERM = re.compile(
     r"\s*(?:define|explain(?: the (?:term|word)| what)?|what (?:is|are)(?: the meaning of)?|(?:the )?meaning of"
     r"|what does|what do)\s+(?:(?:an?|the)\s+)?(?P<term>[\w][\w' -]{0,39}?)(?:\s+(?:mean|stands? for|is|are))?"
     r"\s*[.?!]*\s*", re.IGNORECASE)
 
 
-# Words a chat asks about that are also headwords ("What is up?", "What is life?", "Define me." would get the
-# entries up, Life and /me): never claimed, the model answers them as it sees fit
+# Words a chat asks about that are also headwords ("What is up?", "What is life?"): never claimed
 _CHAT_TERMS = frozenset({"up", "life", "me", "you", "it", "this", "that", "love"})
 
 
 def term_in(question: str) -> str | None:
-    """The Jargon File headword a question asks the meaning of, as it writes it (a plural or another case too),
-    else None. Why: left to itself, the small model often answers such a question without a look-up, or sends it
-    to the Calculator (docs/answer-quality-history.md)."""
+    """The Jargon File headword a question asks the meaning of, as it writes it, else None; left alone the small model
+    often answers such questions without a look-up."""
     asked = _ASKS_A_TERM.fullmatch(question) if len(question) <= MAX_QUERY_CHARS else None
     if asked is None or is_arithmetic(asked["term"]) or _key(asked["term"]) in _CHAT_TERMS:
         return None

@@ -8,8 +8,8 @@ from app.engine.rewards import exact_match
 
 def exact_match_reward(completions: list, answer: list[str], expected: list[str | None] | None = None,
                        **_) -> list[float | None]:
-    """1.0 where the episode's answer submits the dataset's `expected` value (app.engine.rewards.exact_match), 0.0
-    where it does not; None (no reward, as TRL reads it) for a row without an expected value (a look-up)."""
+    """1.0 where the episode's answer submits the dataset's `expected` value, else 0.0; None (no reward, as TRL reads
+    it) for a row without one."""
     expected = expected or [None] * len(answer)
     return [None if want is None else exact_match(got, want) for got, want in zip(answer, expected, strict=True)]
 
@@ -22,9 +22,9 @@ def well_formed_call_reward(completions: list, tool_calls: list[list], tool_ok: 
 
 def expected_tool_reward(completions: list, tool_calls: list[list], tool_ok: list[list[bool]],
                          tool: list[str | None] | None = None, **_) -> list[float | None]:
-    """1.0 where the episode called the dataset's `tool` (the name in either protocol's spelling: "Search",
-    "search"), only it, and every call ran; 0.0 where it did not; None for a row without an expected tool. Without
-    it, training on sums alone teaches the model to call the calculator for look-ups too (docs/training.md)."""
+    """1.0 where the episode called the dataset's `tool` (in either protocol's spelling), only it, and every call ran,
+    else 0.0; None for a row without an expected tool. It keeps the model from learning to call the calculator for
+    look-ups (docs/training.md)."""
     tool = tool or [None] * len(tool_calls)
     return [None if want is None else
             float(bool(calls) and all(ok) and all(str(name).lower() == want.lower() for name, _ in calls))

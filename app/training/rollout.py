@@ -1,11 +1,8 @@
-"""A rollout function for TRL's GRPOTrainer (`GRPOTrainer(..., rollout_func=EngineRollout(...))`): every
-completion is a multi-turn tool episode on this engine, with its own KV cache across its tool calls; each
-prompt's group shares its prefilled system prompt and question; every row of every group runs in one batch.
-
-TRL's contract, as the installed TRL 1.16 reads it (docs/training.md cites the lines): the prompts come one per
-completion (the sampler repeats each `num_generations` times, in a row); the result holds `prompt_ids`,
-`completion_ids` and `logprobs` per completion, `env_mask` (1 for the tokens the policy chose), and other keys that
-reach the reward functions."""
+"""A rollout function for TRL's GRPOTrainer (`rollout_func=EngineRollout(...)`): every completion is a multi-turn tool
+episode on this engine with its own KV cache; each prompt's group shares its prefilled prompt and question, and all rows
+run in one batch. TRL's contract (docs/training.md): prompts come one per completion, each repeated `num_generations`
+times in a row; the result holds `prompt_ids`, `completion_ids`, `logprobs` and `env_mask` (1 for the policy's tokens)
+per completion, and other keys reach the reward functions."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ MAX_TURNS = 32  # Settings' bound on tool calls per answer (TRL's max_tool_calli
 
 
 def question_of(prompt) -> str:
-    """The question in a TRL prompt: the text itself, or a conversation's last user message (the engine writes
-    its own system prompt, the protocol's)."""
+    """The question in a TRL prompt: the text itself, or a conversation's last user message."""
     if isinstance(prompt, str):
         return prompt
     users = [m for m in prompt if m.get("role") == "user"]
@@ -62,11 +58,9 @@ class RolloutStats:
 
 
 class EngineRollout:
-    """`rollout_func` for GRPOTrainer over a LocalBackend: call it as TRL does, `rollout(prompts, trainer)`.
-
-    `sync`: how the trainer's weights reach the engine at each new global_step ("float32": copied in place,
-    the default; "int8": quantized into a fresh model; None: never, for rollouts from fixed weights).
-    `guide`: guided answers (off by default: a forced token is not the policy's, and its env_mask is 0)."""
+    """`rollout_func` for GRPOTrainer over a LocalBackend, called as TRL does: `rollout(prompts, trainer)`. `sync`: how
+    the trainer's weights reach the engine at each new global_step ("float32" in place, the default; "int8" into a fresh
+    model; None: never). `guide`: guided answers, off by default since a forced token is not the policy's."""
 
     def __init__(self, backend: LocalBackend, tools: dict[str, Tool] | None = None, protocol: str = "textenv",
                  prompt: str | None = None, sync: str | None = "float32", guide: bool = False, seed: int = 0):
@@ -96,8 +90,8 @@ class EngineRollout:
         self.stats.sync_seconds.append(seconds)
 
     def settings(self, trainer, prompt_tokens: int) -> Settings:
-        """One group's settings, from the trainer's sampling settings: the completion (model and tool tokens) fits
-        in max_completion_length, as TRL's own tool loop bounds it."""
+        """One group's settings from the trainer's: model and tool tokens fit in max_completion_length, as TRL's own
+        tool loop bounds them."""
         budget = trainer.max_completion_length
         iterations = getattr(trainer, "max_tool_calling_iterations", MAX_TURNS)
         return Settings(max_new_tokens=min(budget, 4096), temperature=trainer.temperature, top_p=trainer.top_p,
@@ -107,9 +101,8 @@ class EngineRollout:
                         protocol=self.engine.protocol.name).validated(self.engine.context_limit)
 
     def check_trainer(self, trainer) -> None:
-        """Refuse a trainer setting that would silently drop every row: TRL's `mask_truncated_completions` masks
-        each completion whose last token is not EOS, and a finished answer of a protocol that ends at its own marker
-        (textenv's `<submit>`) never ends with EOS."""
+        """Refuse `mask_truncated_completions`, which would silently drop every row of a protocol whose finished answers
+        end at its own marker rather than EOS."""
         if getattr(getattr(trainer, "args", None), "mask_truncated_completions", False) \
                 and not self.engine.protocol.answer_ends_at_eos:
             raise ValueError(f"mask_truncated_completions would mask every {self.engine.protocol.name} completion "
@@ -143,11 +136,9 @@ class EngineRollout:
 
     @staticmethod
     def result(episodes: list[Episode], prompt_ids: list[list[int]], eos: int | None = None) -> dict[str, list]:
-        """TRL's fields for each episode: its tokens after the question, their logprobs and env_mask, and what the
-        reward functions read (answer, tool calls, stop reason). An episode that kept no token after its question
-        (its first text was a cut stop such as `<response>`, which the session drops) is given to TRL as the `eos`
-        token with mask 0 and logprob 0.0: TRL reads every completion's last token, and that row then teaches
-        nothing but still counts in its group's mean reward."""
+        """TRL's fields for each episode: its tokens after the question with their logprobs and env_mask, and what the
+        reward functions read. An episode with no token after its question is given as the `eos` token with mask 0 and
+        logprob 0.0, since TRL reads every completion's last token."""
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "answer",
                                                   "tool_calls", "tool_ok", "stop_reason")}
         for episode, ids in zip(episodes, prompt_ids, strict=True):

@@ -21,9 +21,8 @@ def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def sync(backend: LocalBackend, policy: torch.nn.Module, mode: str) -> tuple[LocalBackend, float]:
     """The backend that samples from `policy`'s current weights, and the seconds it took: float32 copies them into
-    `backend`'s model in place (between two scheduler steps; app.model.float32 packs them again where the model
-    multiplies on oneDNN); int8 quantizes a copy of `policy` into a new backend (the old one's scheduler
-    released)."""
+    `backend`'s model in place between scheduler steps; int8 quantizes a copy into a new backend and releases the old
+    one's scheduler."""
     began = time.perf_counter()
     if mode == "float32":
         backend.load_weights(trainer_weights(policy))

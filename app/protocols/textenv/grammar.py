@@ -1,7 +1,6 @@
-"""textenv's guide (app.decoding.guide): a reply is the answer line (`Result = ...`, one line, ended by `<submit>` or
-EOS) or one tool call (`<request><Tool>input<call>`, the tool one of the session's, the input one line of at most
-the tool's `max_query` characters: where the model ends that line, or reaches the bound, `<call>` follows); after a
-tool's output the answer begins with what the examples copy from it."""
+"""textenv's guide: a reply is the answer line (`Result = ...`, ended by `<submit>` or EOS) or one call
+`<request><Tool>input<call>` of a session's tool, the input one line of at most the tool's `max_query` characters; after
+a tool's output the answer begins with what the examples copy from it."""
 
 from __future__ import annotations
 

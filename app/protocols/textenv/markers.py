@@ -1,8 +1,6 @@
-"""textenv's markers (from TRL's TextEnvironment), its call parser, and keeping untrusted text out of it.
-
-The model writes `<request><ToolName>query<call>`; generation stops at `<call>`, the tool's output plus
-`<response>` is appended, and generation resumes until `<submit>`, EOS or the length budget.
-"""
+"""textenv's markers (from TRL's TextEnvironment), its call parser, and keeping untrusted text out of it. The model
+writes `<request><ToolName>query<call>`; generation stops at `<call>`, the tool's output plus `<response>` is appended,
+and generation resumes until `<submit>`, EOS or the length budget."""
 
 from __future__ import annotations
 
@@ -13,11 +11,9 @@ from app.protocols.base import ToolCall, ToolCallError
 REQUEST, CALL, RESPONSE, SUBMIT = "<request>", "<call>", "<response>", "<submit>"
 QUESTION_PREFIX = "Q: "  # opens a question's line, in the prompt's examples and in each turn
 NEXT_QUESTION = "\nQ:"  # the model writing the few-shot format's next example: its answer is over
-# RESPONSE is the tools' marker, never the model's: a model that writes it (`<request><Calculator>1 + 2<response>`,
-# where `<call>` belongs) stops there, and does not go on to invent the tool's output.
+# RESPONSE is the tools' marker: a model that writes it stops there rather than invent the tool's output.
 STOP_STRINGS = (CALL, SUBMIT, NEXT_QUESTION, RESPONSE)
-# Stop strings that are not part of the answer: they and the blank space before them are not kept. (The
-# markers CALL and SUBMIT are: the tool-call parser and the next segment read them.)
+# Stop strings dropped with the blank space before them (CALL and SUBMIT are kept: the parser reads them).
 CUT_STOPS = frozenset({NEXT_QUESTION, RESPONSE})
 
 # Markers in any spacing or case: `< call >`, `</submit>`, `<CALL>`.
@@ -39,9 +35,8 @@ def parse_tool_call(segment_text: str) -> ToolCall:
 
 
 def calls_tool(stop_string: str | None, segment_text: str) -> bool:
-    """Whether a model segment that stopped at `stop_string` asks for a tool: it ended with `<call>`, or it wrote
-    `<response>` (cut from `segment_text`) right after a request on its last line, `<request><Tool>query`, which
-    the engine then closes with the `<call>` the model left out."""
+    """Whether a segment that stopped at `stop_string` asks for a tool: it ended with `<call>`, or wrote `<response>`
+    right after a request on its last line (the engine then adds the `<call>`)."""
     if stop_string == CALL:
         return True
     if stop_string != RESPONSE:
@@ -52,11 +47,8 @@ def calls_tool(stop_string: str | None, segment_text: str) -> bool:
 
 
 def neutralize(text: str, special_tokens: list[str] | tuple[str, ...] = ()) -> str:
-    """Make untrusted text (user messages, tool output) unable to end a segment or forge a protocol marker.
-
-    Angle brackets of markers and special-token texts become the look-alikes ‹ ›, which a reader still
-    understands but which never match a stop string, the tool-call parser, or a special token.
-    """
+    """Make untrusted text (user messages, tool output) unable to end a segment or forge a marker: marker and
+    special-token angle brackets become the look-alikes ‹ ›."""
     text = _MARKER.sub(lambda m: f"‹{m[1]}›", text)
     for special in special_tokens:
         if special in text:

@@ -1,21 +1,9 @@
-"""textenv's few-shot system prompt: a template whose tool list and example answers come from the tools themselves.
+"""textenv's few-shot system prompt: a template whose tool list and example answers come from the tools.
 
-A template may leave an example's tool output out: a line that ends right after `<call>`,
-
-    Q: What does grok mean?
-    <request><Search>grok<call>
-
-is filled in with what the tool really returns and an answer copied from it:
-
-    <request><Search>grok<call>grok: To understand. ...<response>
-    Result = To understand. ...<submit>
-
-so the examples teach the model to answer from the tool's output, and stay true when a tool changes. An
-example whose tool is not in the session's tool set is left out, so the model is never shown a tool it
-cannot call. `{tools}` becomes one line per tool. A greeting names only the session's tools through `{abilities}`
-("a calculator and the Jargon File") and `{actions}` ("calculate or look up"), "no tools" and "help with" where
-there are none, so the greetings' examples stay (docs/answer-quality-history.md). Custom prompts follow the
-same rules.
+An example line that ends right after `<call>` is filled in with what the tool really returns and an answer copied from
+it, so the examples stay true when a tool changes; examples of tools the session lacks are left out. `{tools}` becomes
+one line per tool, and `{abilities}` / `{actions}` name only the session's tools (app.protocols.naming). Custom prompts
+follow the same rules.
 """
 
 from __future__ import annotations
