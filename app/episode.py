@@ -58,29 +58,45 @@ class Provenance(str, enum.Enum):
     FORCED = "forced"  # the guide's: written by the engine, or the only text the grammar allowed
 
 
+@dataclass(kw_only=True)
+class Generation:
+    """What a model wrote in one segment: why it stopped, its counts, who chose each token. A backend returns it, and
+    a Segment is one with its place and text (a tool segment's counts stay zero)."""
+
+    stop: Stop | None = None  # why a model segment stopped; a tool segment's: max_length where its output was cut
+    prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
+    cached_tokens: int | None = 0  # tokens whose keys/values came from the cache (None: a server did not say)
+    generated_tokens: int = 0  # tokens the model chose (forced ones are the guide's)
+    # a model segment's tokens, each with who chose it; None: the guide was off (every token the model's)
+    provenance: list[Provenance] | None = None
+    steered_known: bool = True  # False where a model server does not say whether its grammar steered a token
+    # a model segment's tokens' log-probabilities (Settings.logprobs; 0.0 for forced ones); None: not recorded
+    logprobs: list[float] | None = None
+
+
 @dataclass
-class Segment:
+class Segment(Generation):
     """One model segment (generated) or tool segment (inserted), with its span in the session's ids."""
 
     kind: Literal["model", "tool"]
     text: str
     start: int
     end: int
-    stop: Stop | None = None  # why a model segment stopped; a tool segment's: max_length where its output was cut
     tool: str | None = None  # tool segments only: the tool the model called
     query: str | None = None
     ran: str | None = None  # the tool that answered, where the one called passed the query on (registry.Misrouted)
     ok: bool = True
     result: str | None = None  # tool segments: the tool's output as the model reads it (neutralized, bounded)
-    prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
-    cached_tokens: int | None = 0  # tokens whose keys/values came from the cache (None: a server did not say)
-    generated_tokens: int = 0  # tokens the model chose (forced ones are the guide's)
     ms: float = 0.0
-    # a model segment's tokens, each with who chose it; None: the guide was off (every token the model's)
-    provenance: list[Provenance] | None = None
-    steered_known: bool = True  # False where a model server does not say whether its grammar steered a token
-    # a model segment's tokens' log-probabilities (Settings.logprobs; 0.0 for forced ones); None: not recorded
-    logprobs: list[float] | None = None
+
+    @classmethod
+    def generated(cls, text: str, start: int, end: int, ms: float, generation: Generation) -> Segment:
+        """A model segment: its generation's record for the tokens it kept (`end - start`: the engine may have cut
+        a stop string off), with its place, text and time."""
+        kept = end - start
+        return cls("model", text, start, end, ms=ms, **{
+            **vars(generation), "provenance": None if generation.provenance is None else generation.provenance[:kept],
+            "logprobs": None if generation.logprobs is None else generation.logprobs[:kept]})
 
     @property
     def forced_tokens(self) -> int:

@@ -10,12 +10,12 @@ ground truth either way) and records why the segment stopped, from the code or s
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from app.episode import Provenance, Stop
+from app.episode import Generation
 
 if TYPE_CHECKING:
     import torch
@@ -31,27 +31,32 @@ class BackendError(ValueError):
     shows this one too."""
 
 
-@dataclass
-class SegmentRun:
-    """What one model segment did, filled in by the backend as it goes, so that a segment cut short by Stop or
-    an error still says what it did."""
+@dataclass(frozen=True)
+class SegmentRequest:
+    """What the engine asks of one model segment beside the settings: the protocol's stop strings (a string match
+    among them ends the segment, as EOS does) and its markers (special tokens shown as the segment's text,
+    segment_text), the guide's GBNF grammar (app.decoding.guide; None with the guide off), and whether to record
+    each token's log-probability (Settings.logprobs)."""
 
-    stop: Stop | None = None
-    # given by the engine: the protocol's stop strings (a string match among them ends the segment, as EOS does)
     stop_strings: tuple[str, ...] = ()
-    # given by the engine: special tokens that are the protocol's markers, text of the segment (segment_text)
     shown: frozenset[int] = frozenset()
-    prefill_tokens: int | None = 0  # tokens fed through the model as new input; None: the server did not say
-    cached_tokens: int | None = 0  # tokens whose keys/values came from a cache; None: the server did not say
-    generated_tokens: int = 0  # tokens the model chose
-    # given by the engine: the GBNF grammar the segment's tokens follow (app.decoding.guide), None with the guide off
     grammar: str | None = None
-    # with a grammar: who chose each token the segment added (app.episode.Provenance), filled in by the backend
-    provenance: list[Provenance] | None = None
-    steered_known: bool = True  # False where the backend cannot tell a steered token from the model's own
-    # given by the engine as [] where Settings.logprobs asks: each added token's log-probability under the logits it
-    # was sampled from (app.decoding.sampling.token_logprobs), 0.0 for a token the guide forced; filled by the backend
-    logprobs: list[float] | None = None
+    logprobs: bool = False
+
+    def blank(self) -> Generation:
+        """The record a backend starts the segment with: who chose each token where there is a grammar, and the
+        tokens' log-probabilities where asked (app.decoding.sampling.token_logprobs; 0.0 for a forced token)."""
+        return Generation(provenance=[] if self.grammar is not None else None, logprobs=[] if self.logprobs else None)
+
+
+@dataclass(frozen=True)
+class SegmentStream:
+    """One model segment as it runs, as the backend returns it: `deltas`, its text as it comes, and `generation`,
+    the backend's own record of what it did, whole once `deltas` is over (read to its end, closed, or failed), so
+    that a segment cut short by Stop or an error still says what it did."""
+
+    deltas: Generator[str, None, None]
+    generation: Generation
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class Backend(Protocol):
         together (app.model.scheduler.Scheduler.turn)."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
-                    run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
-        """Generate one model segment after `cache.ids`, appending its tokens to them and yielding text deltas;
-        `run` records the stop and the counts. Precondition: `len(cache) < settings.max_length`. On an error the
-        segment's tokens are rolled back, `run.stop` says ERROR, and the error propagates."""
+                    request: SegmentRequest, generator: torch.Generator) -> SegmentStream:
+        """Generate one model segment after `cache.ids`, appending its tokens to them: its text deltas and what it
+        did (SegmentStream). Precondition: `len(cache) < settings.max_length`. On an error the segment's tokens are
+        rolled back, its record's stop says ERROR, and the error propagates from the deltas."""

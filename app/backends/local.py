@@ -9,13 +9,13 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
-from app.backends.base import BackendStats, SegmentRun
+from app.backends.base import BackendStats, SegmentRequest, SegmentStream
 from app.decoding.choose import choose_tokens
 from app.decoding.guide_matcher import GuideMatcher, GuideVocab
 from app.decoding.sampling import PromptLookup, token_logprobs
@@ -116,46 +116,44 @@ class LocalBackend:
             self.scheduler.forward(cache)
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
-                    run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
+                    request: SegmentRequest, generator: torch.Generator) -> SegmentStream:
         """The segment's passes go through the scheduler with their per-token work (LocalSegment) done in its
-        thread right after each pass; this thread streams the text they queue."""
+        thread right after each pass; the deltas stream the text they queue, in the caller's thread."""
+        guide = None if request.grammar is None else self.guide_vocab.matcher(request.grammar)
+        row = LocalSegment(self.tokenizer, self.lock, self.stops(request.stop_strings), self.scheduler, cache,
+                           settings, cancel, request, generator, guide)
+        return SegmentStream(self._deltas(row, cache, settings), row.generation)
+
+    @staticmethod
+    def _deltas(row: LocalSegment, cache: TokenCache, settings: Settings) -> Generator[str, None, None]:
         if not settings.use_cache:
             cache.drop_kv()
-        guide = None if run.grammar is None else self.guide_vocab.matcher(run.grammar)
-        steps = LocalSegment(self.tokenizer, self.lock, self.stops(run.stop_strings), self.scheduler, cache,
-                             settings, cancel, run, generator, guide)
-        request = None
         try:
-            keep = steps.next_pass()
-            if keep is None:  # (the guide's forced tokens may have ended it before any pass)
-                steps.ended(None)
-            else:
-                request = self.scheduler.submit(cache, keep, cancel, owner=steps)
-            yield from steps.stream()
-            if request is not None and request.error is not None:
-                steps.failed(request.error)
+            row.start()
+            try:
+                yield from row.stream()
+            except GeneratorExit:  # closed before its end (Stop in the page): the row ends, the ids this thread's
+                row.close()
+                raise
         finally:
-            if request is not None and not steps.read:  # the stream was closed before the request's end was read
-                steps.close()  # the row ends after its pass in flight, which it drops (the cache stays this
-                request.done.wait()  # thread's after)
-                if request.error is not None:  # (it ended before its next pass, whether before or after the
-                    steps.abandoned(request.error)  # close: Stop, or a failure)
             if not settings.use_cache:
                 cache.drop_kv()
 
 
 class LocalSegment:
-    """One model segment's per-token work between its passes: the tokens the model agrees with (drafts) and its
-    own next one, their text, the stop check, the next drafts. The scheduler's RowOwner: it runs in the scheduler's
-    thread right after each pass (`passed`), as a serving engine's loop does, so the row is in the next step
-    without waking its thread; the segment's thread reads the text from `stream()`."""
+    """One model segment's per-row state between its passes: the tokens the model agrees with (drafts) and its own
+    next one, the guide's forced tokens, their text, the stop check, the next drafts. The scheduler's RowOwner: it
+    runs in the scheduler's thread right after each pass (`passed`), as a serving engine's loop does, so the row is
+    in the next step without waking its thread, and once when the request is over (`ended`); the segment's thread
+    reads the text from `stream()`. Its record (`generation`) takes each stop from the code that stopped the
+    segment (`_finish`)."""
 
     def __init__(self, tokenizer, lock: threading.RLock, stops: StopChecker, scheduler: Scheduler,
-                 cache: TokenCache, settings: Settings, cancel: threading.Event | None, run: SegmentRun,
+                 cache: TokenCache, settings: Settings, cancel: threading.Event | None, request: SegmentRequest,
                  generator: torch.Generator, guide: GuideMatcher | None):
-        self.cache, self.settings, self.cancel, self.run = cache, settings, cancel, run
+        self.cache, self.settings, self.cancel, self.generation = cache, settings, cancel, request.blank()
         self.generator, self.lock, self.scheduler, self.guide = generator, lock, scheduler, guide
-        self.stops, self.detok = stops.start(), Detokenizer(tokenizer, run.shown)
+        self.stops, self.detok = stops.start(), Detokenizer(tokenizer, request.shown)
         self.added = 0  # tokens the segment added: the model's and the guide's (max_new_tokens bounds them all)
         self.first = True  # before the segment's first pass (its prefill)
         greedy_drafts = settings.draft_tokens and settings.temperature <= 0
@@ -167,29 +165,45 @@ class LocalSegment:
         self.base = len(cache)  # the ids before the pass in flight (and its drafts)
         self._texts: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()  # a pass's deltas; None: the end
         self._closed = False  # set by the segment's thread when its stream is closed
-        self.read = False  # the segment's thread read the stream to its end
+        self._over = threading.Event()  # set once the request is over and recorded (`ended`)
+        self._failure: BaseException | None = None  # a failed step's error, for the segment's thread
+
+    def start(self) -> None:
+        """Submit the segment's first pass (the segment's thread), or end it where the guide's forced tokens
+        already did."""
+        keep = self.next_pass()
+        if keep is None:
+            self.ended(None)
+        else:
+            self.scheduler.submit(self.cache, keep, self.cancel, owner=self)
 
     def stream(self) -> Iterator[str]:
-        """The segment's text, as its passes add it, until the request ends (the segment's thread)."""
+        """The segment's text, as its passes add it, until the request ends (the segment's thread); then a failed
+        step's error."""
         while (deltas := self._texts.get()) is not None:
             yield from filter(None, deltas)
-        self.read = True
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
-        """Nobody reads the stream any more (the segment's thread): the row ends after its pass in flight."""
+        """Nobody reads the stream any more (the segment's thread): the row ends after its pass in flight, which it
+        drops; wait for that end (the session's ids are this thread's again), and log a failure nobody is told of."""
         self._closed = True
+        self._over.wait()
+        if self._failure is not None:
+            log.error("a segment failed after its stream was closed", exc_info=self._failure)
 
     def next_pass(self) -> int | None:
         """The next pass's drafts, added to the ids: its keep; None when the segment is over."""
-        run, settings, cache = self.run, self.settings, self.cache
-        if run.stop is not None:
+        settings, cache = self.settings, self.cache
+        if self.generation.stop is not None:
             return None
         if self._closed or (self.cancel is not None and self.cancel.is_set()):
-            run.stop = Stop(StopReason.CANCELLED)
+            self._finish(Stop(StopReason.CANCELLED))
             return None
         if self.guide is not None and (forced := self.guide.forced()):  # the text the grammar fixes: no choice
             self._texts.put(self._force(forced))
-            if run.stop is not None:
+            if self.generation.stop is not None:
                 return None
         self.base = len(cache)
         room = min(settings.max_new_tokens - self.added, settings.max_length - self.base) - 1
@@ -202,37 +216,55 @@ class LocalSegment:
 
     def passed(self, result: PassResult) -> int | None:
         """A pass is done (the scheduler's thread): take its tokens, check the stops, queue their text; the next
-        pass's keep, or None."""
-        run, settings, cache, drafts = self.run, self.settings, self.cache, self.drafts
+        pass's keep, or None. An error here ends the request, and `ended` records it."""
+        settings, cache, drafts = self.settings, self.cache, self.drafts
         if self._closed:  # nobody reads this segment any more: the pass it ran is dropped, the ids end at the last
             # token taken, its keys/values not computed, as after any step (a Stop instead keeps the pass's tokens,
             # which are streamed, and ends the segment before its next pass)
             last = cache.ids[self.base - 1]
             cache.truncate(self.base - 1)
             cache.extend([last])
-            run.stop = Stop(StopReason.CANCELLED)
+            self._finish(Stop(StopReason.CANCELLED))
             return None
-        try:
-            if self.first:
-                self.first = False
-                # (neither drafts nor the tokens the guide forced before the first pass are prompt)
-                run.prefill_tokens, run.cached_tokens = result.fed - len(drafts) - self.added, result.reused
-            tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
-                                              self.generator, self.guide, settings.top_k)
-            if drafts:
-                full = len(tokens) > len(drafts)
-                self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
-            cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-            cache.extend(tokens[-1:])
-            logprobs = None if run.logprobs is None else token_logprobs(result.logits, tokens, settings.temperature)
-            deltas = self._take(tokens, chosen_by, self.base, logprobs)
-        except Exception:
-            self.failed_step()
-            raise
+        if self.first:
+            self.first = False
+            # (neither drafts nor the tokens the guide forced before the first pass are prompt)
+            self.generation.prefill_tokens = result.fed - len(drafts) - self.added
+            self.generation.cached_tokens = result.reused
+        tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
+                                          self.generator, self.guide, settings.top_k)
+        if drafts:
+            full = len(tokens) > len(drafts)
+            self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
+        cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
+        cache.extend(tokens[-1:])
+        logprobs = None if self.generation.logprobs is None else \
+            token_logprobs(result.logits, tokens, settings.temperature)
+        deltas = self._take(tokens, chosen_by, self.base, logprobs)
         if self.lookup:
             self.lookup.sync()
         self._texts.put(deltas)
         return self.next_pass()
+
+    def ended(self, error: BaseException | None) -> None:
+        """The request is over (the scheduler's thread, once; the segment's where no pass ran): a failure is recorded
+        here, the tokens of the pass it stopped undone (its drafts, or the failed step's): Stop during a long prefill
+        (Cancelled, between two chunks) as cancelled, any other error as the segment's. Then the stream ends."""
+        if error is not None:
+            self.cache.truncate(self.base)
+            if isinstance(error, Cancelled):
+                if self.first:
+                    self.generation.prefill_tokens, self.generation.cached_tokens = error.fed, error.reused
+                self._finish(Stop(StopReason.CANCELLED))
+            else:
+                self._failure = error
+                self._finish(Stop(StopReason.ERROR))
+        self._texts.put(None)
+        self._over.set()
+
+    def _finish(self, stop: Stop) -> None:
+        """The segment stops, for the reason the code that stopped it gives: its next pass is not asked for."""
+        self.generation.stop = stop
 
     def _force(self, forced: list[int]) -> list[str]:
         """Add the tokens the guide fixed (within the budget): its own, fed by the next pass."""
@@ -247,51 +279,20 @@ class LocalSegment:
               logprobs: list[float] | None = None) -> list[str]:
         """The segment takes `tokens` (in the ids from position `at`): each one's text, checked in order for a
         stop; nothing after a stop is kept. Their text deltas. `logprobs`: the tokens' own (None: forced, 0.0)."""
-        run, settings, deltas = self.run, self.settings, []
+        record, settings, deltas = self.generation, self.settings, []
         with self.lock:  # the tokenizer
             for i, token in enumerate(tokens):
                 self.added += 1
-                run.generated_tokens += chosen_by[i] is not Provenance.FORCED
-                if run.provenance is not None:
-                    run.provenance.append(chosen_by[i])
-                if run.logprobs is not None:
-                    run.logprobs.append(0.0 if logprobs is None else logprobs[i])
+                record.generated_tokens += chosen_by[i] is not Provenance.FORCED
+                if record.provenance is not None:
+                    record.provenance.append(chosen_by[i])
+                if record.logprobs is not None:
+                    record.logprobs.append(0.0 if logprobs is None else logprobs[i])
                 deltas.append(self.detok.push(token))
-                run.stop = self.stops.check(token, deltas[-1], self.added, settings.max_new_tokens, at + i + 1,
-                                            settings.max_length)
-                if run.stop is not None:
+                stop = self.stops.check(token, deltas[-1], self.added, settings.max_new_tokens, at + i + 1,
+                                        settings.max_length)
+                if stop is not None:
                     self.cache.truncate(at + i + 1)
+                    self._finish(stop)
                     break
         return deltas
-
-    def ended(self, error: BaseException | None) -> None:
-        """The request is over (any outcome; the scheduler's thread): the segment's thread stops reading, and
-        learns the outcome from the request."""
-        self._texts.put(None)
-
-    def failed_step(self) -> None:
-        """The model (or sampling) failed mid-step: undo that step and say so."""
-        self.cache.truncate(self.base)
-        self.run.stop = Stop(StopReason.ERROR)
-
-    def abandoned(self, error: BaseException) -> None:
-        """The request of a closed stream ended with `error` before its next pass (Stop during the scheduler's
-        wait for other rows, or a failure): as `failed`, but recorded only, since nobody reads the stream to be
-        told (so the drafts added for that pass do not stay in the session's ids)."""
-        try:
-            self.failed(error)
-        except Exception:
-            log.exception("a segment failed after its stream was closed")
-
-    def failed(self, error: BaseException) -> None:
-        """The segment's thread, once the request ended with `error`: Stop during a long prefill ends it between
-        two chunks (recorded as cancelled); any other error is the step's failure, re-raised."""
-        if isinstance(error, Cancelled):
-            self.cache.truncate(self.base)
-            if self.first:
-                self.run.prefill_tokens, self.run.cached_tokens = error.fed, error.reused
-            self.run.stop = Stop(StopReason.CANCELLED)
-            return
-        if self.run.stop is None or self.run.stop.reason is not StopReason.ERROR:
-            self.failed_step()
-        raise error

@@ -22,15 +22,15 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from app.backends.base import BackendError, BackendStats, SegmentRun
+from app.backends.base import BackendError, BackendStats, SegmentRequest, SegmentStream
 from app.backends.server_client import ModelServer, ServerHTTPError
 from app.decoding.guide_matcher import GuideError, GuideVocab, replay
-from app.episode import Limit, Provenance, Stop, StopReason
+from app.episode import Generation, Limit, Provenance, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import load_tokenizer, special_token_texts
 from app.protocols.base import encode
@@ -259,48 +259,54 @@ class ServerBackend:
         """Nothing: the server's prefix cache keeps a group's question after its first request."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
-                    run: SegmentRun, generator: torch.Generator) -> Iterator[str]:
+                    request: SegmentRequest, generator: torch.Generator) -> SegmentStream:
+        record = replace(request.blank(), prefill_tokens=None, cached_tokens=None)  # (until the server reports them)
+        return SegmentStream(self._deltas(cache, settings, cancel, request, record), record)
+
+    def _deltas(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
+                request: SegmentRequest, record: Generation) -> Generator[str, None, None]:
+        """The completion's text as the server streams it; `record` (this backend's own) takes its tokens, counts
+        and stop as they come."""
         start, room = len(cache), settings.max_length - len(cache)
         max_tokens = min(settings.max_new_tokens, room)
         limit = Limit.MAX_LENGTH if room <= settings.max_new_tokens else Limit.MAX_NEW_TOKENS
         # a seed per position: reproducible, yet each segment samples differently
-        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32, run.grammar,
-                                    run.stop_strings)
-        run.prefill_tokens = run.cached_tokens = None  # until the server reports them
+        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32, request.grammar,
+                                    request.stop_strings)
         texts: list[str] = []
         exact = True  # every generated id came back (llama.cpp skips those of a character split across tokens)
         ended = False  # the segment ran to its end here (not closed by its reader, not failed)
         try:
-            with self._stream(body, run.grammar) as stream:
+            with self._stream(body, request.grammar) as stream:
                 for event in stream.events(cancel):
                     piece = self.dialect.parse(event, self.server)
-                    self._check_ids(piece, run.generated_tokens, max_tokens)
+                    self._check_ids(piece, record.generated_tokens, max_tokens)
                     if piece.prefill is not None:
-                        run.prefill_tokens, run.cached_tokens = piece.prefill, piece.cached
-                    exact &= piece.predicted is None or piece.predicted == run.generated_tokens + len(piece.tokens)
+                        record.prefill_tokens, record.cached_tokens = piece.prefill, piece.cached
+                    exact &= piece.predicted is None or piece.predicted == record.generated_tokens + len(piece.tokens)
                     cache.extend(piece.tokens)
-                    run.generated_tokens += len(piece.tokens)
+                    record.generated_tokens += len(piece.tokens)
                     if piece.end is not None:
-                        generated = max(run.generated_tokens, piece.predicted or 0)
-                        run.stop = self._stop(piece.end, limit, generated, max_tokens, run.stop_strings)
+                        generated = max(record.generated_tokens, piece.predicted or 0)
+                        record.stop = self._stop(piece.end, limit, generated, max_tokens, request.stop_strings)
                     texts.append(piece.text)
                     if piece.text:
                         yield piece.text
-            if run.stop is None and not (cancel is not None and cancel.is_set()):
+            if record.stop is None and not (cancel is not None and cancel.is_set()):
                 raise BackendError(f"model server {self.server.url} ended the stream before the completion ended")
             ended = True
         except BackendError:
             cache.truncate(start)  # the failed segment leaves no tokens: the session is as before it
-            run.stop, run.generated_tokens = Stop(StopReason.ERROR), 0
+            record.stop, record.generated_tokens = Stop(StopReason.ERROR), 0
             raise
         finally:
-            if run.stop is None or run.stop.reason is not StopReason.ERROR:
+            if record.stop is None or record.stop.reason is not StopReason.ERROR:
                 if not exact:
                     self._retokenize(cache, start, "".join(texts), max_tokens)
-                if run.grammar is not None:  # (closed by its reader too: every token kept has its provenance)
-                    self._replay(cache, start, run, raise_error=ended)
-        if run.stop is None:
-            run.stop = Stop(StopReason.CANCELLED)
+                if request.grammar is not None:  # (closed by its reader too: every token kept has its provenance)
+                    self._replay(cache, start, request.grammar, record, raise_error=ended)
+        if record.stop is None:
+            record.stop = Stop(StopReason.CANCELLED)
 
     def _stream(self, body: dict, grammar: str | None):
         """Open the completion stream; a grammar the server rejects is said to be the guide's."""
@@ -322,25 +328,25 @@ class ServerBackend:
             # (the tokenizer's own EOS ends a grammar's text, as a completion)
             return GuideVocab(self.tokenizer, lock=self.lock)
 
-    def _replay(self, cache: TokenCache, start: int, run: SegmentRun, raise_error: bool) -> None:
-        """Who chose each token the server added (run.provenance), by the segment's grammar: forced where it fixed
+    def _replay(self, cache: TokenCache, start: int, grammar: str, record: Generation, raise_error: bool) -> None:
+        """Who chose each token the server added (record.provenance), by the segment's grammar: forced where it fixed
         the next text, else the model's; whether the grammar steered a token the server does not say. Tokens that
         break the grammar mean the server did not apply it: the segment fails (rolled back), with a BackendError
         where `raise_error` (not while its reader closes it)."""
         try:
-            chosen_by = replay(self.guide_vocab, run.grammar, cache.ids[start:])
+            chosen_by = replay(self.guide_vocab, grammar, cache.ids[start:])
         except GuideError as error:
             cache.truncate(start)
-            run.stop, run.generated_tokens = Stop(StopReason.ERROR), 0
+            record.stop, record.generated_tokens = Stop(StopReason.ERROR), 0
             message = (f"the model server {self.server.url} did not apply the guide's grammar ({error}): a server "
                        f"that ignores grammars cannot give guided answers; switch guided answers off to use it")
             if raise_error:
                 raise BackendError(message) from None
             log.warning("%s", message)
             return
-        run.provenance = (run.provenance or []) + chosen_by
-        run.steered_known = False
-        run.generated_tokens = sum(p is not Provenance.FORCED for p in chosen_by)
+        record.provenance = chosen_by
+        record.steered_known = False
+        record.generated_tokens = sum(p is not Provenance.FORCED for p in chosen_by)
 
     def _check_ids(self, piece: Piece, generated: int, max_tokens: int) -> None:
         vocab = len(self.tokenizer)

@@ -16,8 +16,8 @@ TEXT_RULE = 'text ::= ([^\\n<] | "<" [ 0-9=])*'
 
 @dataclass(frozen=True)
 class Guide:
-    """One segment's guide: `grammar` (GBNF) of what the model may write after `opening`, the text the engine
-    writes first; an opening that ends with `<call>` is the whole segment."""
+    """One segment's guide: `grammar` (GBNF) of what the model may write, or `opening`, a whole reply the engine
+    writes itself (a claimed call, ending with a stop string: the model does not run)."""
 
     grammar: str
     opening: str = ""

@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, closing
 from dataclasses import replace
 from itertools import count
@@ -20,13 +20,13 @@ from typing import Generator
 
 from transformers import DynamicCache
 
-from app.backends.base import Backend, SegmentRun
+from app.backends.base import Backend, SegmentRequest
 from app.decoding.guide import Guide
 from app.decoding.stops import Holdback, segment_text, tokens_before
 from app.engine.rows import Row, stream_rows
 from app.engine.session import Session
-from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished, SegmentStarted,
-                         Stop, StopReason, TextDelta)
+from app.episode import (Episode, EpisodeFinished, Event, Generation, Limit, Provenance, Segment, SegmentFinished,
+                         SegmentStarted, Stop, StopReason, TextDelta)
 from app.model.kvcache import TokenCache, kv_nbytes
 from app.protocols import PromptError, Protocol, ToolCall, ToolCallError, make_protocol
 from app.protocols.base import encode
@@ -240,47 +240,52 @@ class Engine:
                        cancel: threading.Event | None, guide: Guide | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
-        run = SegmentRun(stop_strings=self.protocol.stop_strings, shown=self.protocol.marker_ids,
-                         grammar=guide.grammar if guide else None,
-                         provenance=[] if guide else None, logprobs=[] if settings.logprobs else None)
+        request = SegmentRequest(self.protocol.stop_strings, self.protocol.marker_ids,
+                                 guide.grammar if guide else None, settings.logprobs)
+        generation = request.blank()  # what the segment did: the backend's record once it runs
         yield SegmentStarted("model")
         try:
             if len(cache) >= settings.max_length:
-                run.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
+                generation = replace(generation, stop=Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH))
             else:
                 stream = Holdback(self.protocol.cut_stops)  # text that may start a cut stop waits for the next token
-                if guide is not None and guide.opening:  # the engine's own text: forced, and fits (claimed_call)
-                    opening = self._opening_ids(guide.opening)
-                    cache.extend(opening)
-                    run.provenance += [Provenance.FORCED] * len(opening)
-                    if run.logprobs is not None:
-                        run.logprobs += [0.0] * len(opening)
-                    if shown := stream.push(guide.opening):
-                        yield TextDelta(shown)
-                    ending = next((s for s in self.protocol.stop_strings if guide.opening.endswith(s)), None)
-                    if ending is not None:  # the whole reply: generation stops at this stop string
-                        run.stop = Stop(StopReason.STRING_MATCH, string=ending)
-                if run.stop is None:
+                if guide is not None and guide.opening:  # a claimed call: the engine writes the whole reply
+                    generation = self._write(cache, guide.opening, request)
+                    yield from _shown(stream, [guide.opening])
+                    generation.stop = Stop(StopReason.STRING_MATCH, string=self._ending(guide.opening))
+                else:
+                    running = self.backend.run_segment(cache, settings, cancel, request, session.generator)
+                    generation = running.generation
                     # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
-                    with closing(self.backend.run_segment(cache, settings, cancel, run, session.generator)) as deltas:
-                        for delta in deltas:
-                            if shown := stream.push(delta):
-                                yield TextDelta(shown)
+                    with closing(running.deltas) as deltas:
+                        yield from _shown(stream, deltas)
                 end = None
-                if run.stop is not None and run.stop.string in self.protocol.cut_stops:  # not part of the answer
-                    end = self._cut(cache, start, run.stop.string)
+                if generation.stop is not None and generation.stop.string in self.protocol.cut_stops:
+                    end = self._cut(cache, start, generation.stop.string)  # not part of the answer
                 if rest := stream.close(end):
                     yield TextDelta(rest)
         finally:
-            segment = Segment("model", self._segment_text(cache.ids[start:]), start, len(cache),
-                              stop=run.stop or Stop(StopReason.CANCELLED), prefill_tokens=run.prefill_tokens,
-                              cached_tokens=run.cached_tokens, generated_tokens=run.generated_tokens,
-                              ms=(time.perf_counter() - began) * 1000, steered_known=run.steered_known,
-                              provenance=None if run.provenance is None else run.provenance[: len(cache) - start],
-                              logprobs=None if run.logprobs is None else run.logprobs[: len(cache) - start])
+            segment = Segment.generated(self._segment_text(cache.ids[start:]), start, len(cache),
+                                        (time.perf_counter() - began) * 1000, generation)
+            segment.stop = segment.stop or Stop(StopReason.CANCELLED)  # (closed before anything said why it ended)
             episode.segments.append(segment)
         yield SegmentFinished(segment)
         return segment
+
+    def _write(self, cache: TokenCache, text: str, request: SegmentRequest) -> Generation:
+        """Append a reply the engine writes itself (a claimed call: app.decoding.guide's `opening`), every token
+        forced, and return its record (its stop: once its text is shown)."""
+        ids = self._opening_ids(text)
+        cache.extend(ids)
+        return Generation(provenance=[Provenance.FORCED] * len(ids),
+                          logprobs=[0.0] * len(ids) if request.logprobs else None)
+
+    def _ending(self, text: str) -> str:
+        """The stop string a reply the engine writes ends with: generation stops there (claimed_call)."""
+        ending = next((s for s in self.protocol.stop_strings if text.endswith(s)), None)
+        if ending is None:
+            raise ValueError(f"a guide's opening is a whole reply and ends with a stop string: {text!r}")
+        return ending
 
     def _cut(self, cache: TokenCache, start: int, string: str) -> int:
         """Drop a cut stop string, which the backend kept like every stop string, and the blank space before it
@@ -358,6 +363,13 @@ class Engine:
             for row, episode in enumerate(episodes):
                 episode.reward = reward_fn(row, episode)
         return episodes
+
+
+def _shown(stream: Holdback, deltas: Iterable[str]) -> Iterator[TextDelta]:
+    """The deltas' text as the stream lets it be shown (a cut stop's possible start waits for the next delta)."""
+    for delta in deltas:
+        if shown := stream.push(delta):
+            yield TextDelta(shown)
 
 
 def _last_episode(events: Iterator[Event]) -> Episode:
