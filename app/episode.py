@@ -60,8 +60,8 @@ class Provenance(str, enum.Enum):
 
 @dataclass(kw_only=True)
 class Generation:
-    """What a model wrote in one segment: why it stopped, its counts, who chose each token. A backend returns it, and
-    a Segment is one with its place and text (a tool segment's counts stay zero)."""
+    """What a model wrote in one segment: why it stopped, its counts, who chose each token; the fields a backend
+    fills in a model Segment (a tool segment's stay zero)."""
 
     stop: Stop | None = None  # why a model segment stopped; a tool segment's: max_length where its output was cut
     prefill_tokens: int | None = 0  # tokens fed through the model as new input at the segment's start
@@ -89,14 +89,16 @@ class Segment(Generation):
     result: str | None = None  # tool segments: the tool's output as the model reads it (neutralized, bounded)
     ms: float = 0.0
 
-    @classmethod
-    def generated(cls, text: str, start: int, end: int, ms: float, generation: Generation) -> Segment:
-        """A model segment: its generation's record for the tokens it kept (`end - start`: the engine may have cut
-        a stop string off), with its place, text and time."""
+    def place(self, text: str, start: int, end: int, ms: float) -> Segment:
+        """A model segment the backend has filled, given its place, text and time once it is over; its per-token
+        records keep the tokens it kept (`end - start`: the engine may have cut a stop string off)."""
+        self.text, self.start, self.end, self.ms = text, start, end, ms
         kept = end - start
-        return cls("model", text, start, end, ms=ms, **{
-            **vars(generation), "provenance": None if generation.provenance is None else generation.provenance[:kept],
-            "logprobs": None if generation.logprobs is None else generation.logprobs[:kept]})
+        if self.provenance is not None:
+            del self.provenance[kept:]
+        if self.logprobs is not None:
+            del self.logprobs[kept:]
+        return self
 
     @property
     def forced_tokens(self) -> int:

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from app.episode import Generation
+from app.episode import Segment
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +43,22 @@ class SegmentRequest:
     grammar: str | None = None
     logprobs: bool = False
 
-    def blank(self) -> Generation:
-        """The record a backend starts the segment with: who chose each token where there is a grammar, and the
-        tokens' log-probabilities where asked (app.decoding.sampling.token_logprobs; 0.0 for a forced token)."""
-        return Generation(provenance=[] if self.grammar is not None else None, logprobs=[] if self.logprobs else None)
+    def blank(self) -> Segment:
+        """The model segment a backend fills as it runs (its Generation fields; the engine places it at the end):
+        who chose each token where there is a grammar, and the tokens' log-probabilities where asked
+        (app.decoding.sampling.token_logprobs; 0.0 for a forced token)."""
+        return Segment("model", "", 0, 0, provenance=[] if self.grammar is not None else None,
+                       logprobs=[] if self.logprobs else None)
 
 
 @dataclass(frozen=True)
 class SegmentStream:
-    """One model segment as it runs, as the backend returns it: `deltas`, its text as it comes, and `generation`,
-    the backend's own record of what it did, whole once `deltas` is over (read to its end, closed, or failed), so
-    that a segment cut short by Stop or an error still says what it did."""
+    """One model segment as it runs, as the backend returns it: `deltas`, its text as it comes, and `segment`, the
+    one record of what it did, filled by the backend until `deltas` is over (read to its end, closed, or failed),
+    then the engine's to place, so that a segment cut short by Stop or an error still says what it did."""
 
     deltas: Generator[str, None, None]
-    generation: Generation
+    segment: Segment
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class LocalBackend:
         guide = None if request.grammar is None else self.guide_vocab.matcher(request.grammar)
         row = LocalSegment(self.tokenizer, self.lock, self.stops(request.stop_strings), self.scheduler, cache,
                            settings, cancel, request, generator, guide)
-        return SegmentStream(self._deltas(row, cache, settings), row.generation)
+        return SegmentStream(self._deltas(row, cache, settings), row.record)
 
     @staticmethod
     def _deltas(row: LocalSegment, cache: TokenCache, settings: Settings) -> Generator[str, None, None]:
@@ -145,13 +145,13 @@ class LocalSegment:
     next one, the guide's forced tokens, their text, the stop check, the next drafts. The scheduler's RowOwner: it
     runs in the scheduler's thread right after each pass (`passed`), as a serving engine's loop does, so the row is
     in the next step without waking its thread, and once when the request is over (`ended`); the segment's thread
-    reads the text from `stream()`. Its record (`generation`) takes each stop from the code that stopped the
-    segment (`_finish`)."""
+    reads the text from `stream()`. Its `record` (the model Segment it fills) takes each stop from the code that
+    stopped the segment (`_finish`)."""
 
     def __init__(self, tokenizer, lock: threading.RLock, stops: StopChecker, scheduler: Scheduler,
                  cache: TokenCache, settings: Settings, cancel: threading.Event | None, request: SegmentRequest,
                  generator: torch.Generator, guide: GuideMatcher | None):
-        self.cache, self.settings, self.cancel, self.generation = cache, settings, cancel, request.blank()
+        self.cache, self.settings, self.cancel, self.record = cache, settings, cancel, request.blank()
         self.generator, self.lock, self.scheduler, self.guide = generator, lock, scheduler, guide
         self.stops, self.detok = stops.start(), Detokenizer(tokenizer, request.shown)
         self.added = 0  # tokens the segment added: the model's and the guide's (max_new_tokens bounds them all)
@@ -196,14 +196,14 @@ class LocalSegment:
     def next_pass(self) -> int | None:
         """The next pass's drafts, added to the ids: its keep; None when the segment is over."""
         settings, cache = self.settings, self.cache
-        if self.generation.stop is not None:
+        if self.record.stop is not None:
             return None
         if self._closed or (self.cancel is not None and self.cancel.is_set()):
             self._finish(Stop(StopReason.CANCELLED))
             return None
         if self.guide is not None and (forced := self.guide.forced()):  # the text the grammar fixes: no choice
             self._texts.put(self._force(forced))
-            if self.generation.stop is not None:
+            if self.record.stop is not None:
                 return None
         self.base = len(cache)
         room = min(settings.max_new_tokens - self.added, settings.max_length - self.base) - 1
@@ -229,8 +229,8 @@ class LocalSegment:
         if self.first:
             self.first = False
             # (neither drafts nor the tokens the guide forced before the first pass are prompt)
-            self.generation.prefill_tokens = result.fed - len(drafts) - self.added
-            self.generation.cached_tokens = result.reused
+            self.record.prefill_tokens = result.fed - len(drafts) - self.added
+            self.record.cached_tokens = result.reused
         tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
                                           self.generator, self.guide, settings.top_k)
         if drafts:
@@ -238,7 +238,7 @@ class LocalSegment:
             self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
         cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
         cache.extend(tokens[-1:])
-        logprobs = None if self.generation.logprobs is None else \
+        logprobs = None if self.record.logprobs is None else \
             token_logprobs(result.logits, tokens, settings.temperature)
         deltas = self._take(tokens, chosen_by, self.base, logprobs)
         if self.lookup:
@@ -254,7 +254,7 @@ class LocalSegment:
             self.cache.truncate(self.base)
             if isinstance(error, Cancelled):
                 if self.first:
-                    self.generation.prefill_tokens, self.generation.cached_tokens = error.fed, error.reused
+                    self.record.prefill_tokens, self.record.cached_tokens = error.fed, error.reused
                 self._finish(Stop(StopReason.CANCELLED))
             else:
                 self._failure = error
@@ -264,7 +264,7 @@ class LocalSegment:
 
     def _finish(self, stop: Stop) -> None:
         """The segment stops, for the reason the code that stopped it gives: its next pass is not asked for."""
-        self.generation.stop = stop
+        self.record.stop = stop
 
     def _force(self, forced: list[int]) -> list[str]:
         """Add the tokens the guide fixed (within the budget): its own, fed by the next pass."""
@@ -279,7 +279,7 @@ class LocalSegment:
               logprobs: list[float] | None = None) -> list[str]:
         """The segment takes `tokens` (in the ids from position `at`): each one's text, checked in order for a
         stop; nothing after a stop is kept. Their text deltas. `logprobs`: the tokens' own (None: forced, 0.0)."""
-        record, settings, deltas = self.generation, self.settings, []
+        record, settings, deltas = self.record, self.settings, []
         with self.lock:  # the tokenizer
             for i, token in enumerate(tokens):
                 self.added += 1

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from app.backends.base import BackendError, BackendStats, SegmentRequest, SegmentStream
 from app.backends.server_client import ModelServer, ServerHTTPError
 from app.decoding.guide_matcher import GuideError, GuideVocab, replay
-from app.episode import Generation, Limit, Provenance, Stop, StopReason
+from app.episode import Limit, Provenance, Segment, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import load_tokenizer, special_token_texts
 from app.protocols.base import encode
@@ -264,7 +264,7 @@ class ServerBackend:
         return SegmentStream(self._deltas(cache, settings, cancel, request, record), record)
 
     def _deltas(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
-                request: SegmentRequest, record: Generation) -> Generator[str, None, None]:
+                request: SegmentRequest, record: Segment) -> Generator[str, None, None]:
         """The completion's text as the server streams it; `record` (this backend's own) takes its tokens, counts
         and stop as they come."""
         start, room = len(cache), settings.max_length - len(cache)
@@ -328,7 +328,7 @@ class ServerBackend:
             # (the tokenizer's own EOS ends a grammar's text, as a completion)
             return GuideVocab(self.tokenizer, lock=self.lock)
 
-    def _replay(self, cache: TokenCache, start: int, grammar: str, record: Generation, raise_error: bool) -> None:
+    def _replay(self, cache: TokenCache, start: int, grammar: str, record: Segment, raise_error: bool) -> None:
         """Who chose each token the server added (record.provenance), by the segment's grammar: forced where it fixed
         the next text, else the model's; whether the grammar steered a token the server does not say. Tokens that
         break the grammar mean the server did not apply it: the segment fails (rolled back), with a BackendError

@@ -25,7 +25,7 @@ from app.decoding.guide import Guide
 from app.decoding.stops import Holdback, segment_text, tokens_before
 from app.engine.rows import Row, stream_rows
 from app.engine.session import Session
-from app.episode import (Episode, EpisodeFinished, Event, Generation, Limit, Provenance, Segment, SegmentFinished,
+from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished,
                          SegmentStarted, Stop, StopReason, TextDelta)
 from app.model.kvcache import TokenCache, kv_nbytes
 from app.protocols import PromptError, Protocol, ToolCall, ToolCallError, make_protocol
@@ -242,43 +242,42 @@ class Engine:
         start, began = len(cache), time.perf_counter()
         request = SegmentRequest(self.protocol.stop_strings, self.protocol.marker_ids,
                                  guide.grammar if guide else None, settings.logprobs)
-        generation = request.blank()  # what the segment did: the backend's record once it runs
+        segment = request.blank()  # what the segment did: the backend's to fill once it runs, placed here at the end
         yield SegmentStarted("model")
         try:
             if len(cache) >= settings.max_length:
-                generation = replace(generation, stop=Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH))
+                segment.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
             else:
                 stream = Holdback(self.protocol.cut_stops)  # text that may start a cut stop waits for the next token
                 if guide is not None and guide.opening:  # a claimed call: the engine writes the whole reply
-                    generation = self._write(cache, guide.opening, request)
+                    segment = self._write(cache, guide.opening, request)
                     yield from _shown(stream, [guide.opening])
-                    generation.stop = Stop(StopReason.STRING_MATCH, string=self._ending(guide.opening))
+                    segment.stop = Stop(StopReason.STRING_MATCH, string=self._ending(guide.opening))
                 else:
                     running = self.backend.run_segment(cache, settings, cancel, request, session.generator)
-                    generation = running.generation
+                    segment = running.segment
                     # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
                     with closing(running.deltas) as deltas:
                         yield from _shown(stream, deltas)
                 end = None
-                if generation.stop is not None and generation.stop.string in self.protocol.cut_stops:
-                    end = self._cut(cache, start, generation.stop.string)  # not part of the answer
+                if segment.stop is not None and segment.stop.string in self.protocol.cut_stops:
+                    end = self._cut(cache, start, segment.stop.string)  # not part of the answer
                 if rest := stream.close(end):
                     yield TextDelta(rest)
         finally:
-            segment = Segment.generated(self._segment_text(cache.ids[start:]), start, len(cache),
-                                        (time.perf_counter() - began) * 1000, generation)
+            segment.place(self._segment_text(cache.ids[start:]), start, len(cache), (time.perf_counter() - began) * 1000)
             segment.stop = segment.stop or Stop(StopReason.CANCELLED)  # (closed before anything said why it ended)
             episode.segments.append(segment)
         yield SegmentFinished(segment)
         return segment
 
-    def _write(self, cache: TokenCache, text: str, request: SegmentRequest) -> Generation:
+    def _write(self, cache: TokenCache, text: str, request: SegmentRequest) -> Segment:
         """Append a reply the engine writes itself (a claimed call: app.decoding.guide's `opening`), every token
-        forced, and return its record (its stop: once its text is shown)."""
+        forced, and return its segment (its stop: once its text is shown)."""
         ids = self._opening_ids(text)
         cache.extend(ids)
-        return Generation(provenance=[Provenance.FORCED] * len(ids),
-                          logprobs=[0.0] * len(ids) if request.logprobs else None)
+        return Segment("model", "", 0, 0, provenance=[Provenance.FORCED] * len(ids),
+                       logprobs=[0.0] * len(ids) if request.logprobs else None)
 
     def _ending(self, text: str) -> str:
         """The stop string a reply the engine writes ends with: generation stops there (claimed_call)."""
