@@ -54,6 +54,8 @@ class Api:
         backend = self.service.backend_stats()
         out = {"sessions": store.sessions, "kv_mb": round(store.kv_bytes / MB, 2),
                "shared_kv_mb": round(store.shared_bytes / MB, 2), "budget_mb": round(store.budget_bytes / MB, 2)}
+        if backend is not None:
+            out["model"] = {"backend": backend.name, "adapter": backend.adapter}
         if backend is not None and backend.steps is not None:
             out["scheduler"] = {"steps": backend.steps, "mean_rows": round(backend.rows / max(1, backend.steps), 2),
                                 "peak_rows": backend.peak_rows}

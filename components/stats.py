@@ -24,6 +24,8 @@ def stats_markdown(session: Session | None, store: StoreStats, backend: BackendS
               f"{store.kv_bytes / MB:.1f} MB of KV + {store.shared_bytes / MB:.1f} MB of shared prompts "
               f"(budget {store.budget_bytes / MB:.0f} MB)")
     model = f"Model: {backend.name}" + (f" · {backend.runs}" if backend.runs else "") + "  \n" if backend else ""
+    if backend and backend.adapter:
+        model += f"Weights: base + LoRA adapter {backend.adapter} (ADAPTER=off runs the base model)  \n"
     return f"{model}{mine}  \n{server}"
 
 

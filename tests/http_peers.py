@@ -37,6 +37,23 @@ def serve(body: bytes | Callable[[dict], tuple[int, bytes]], status: int = 200, 
     return _start(Handler)
 
 
+def serve_get(routes: dict[str, tuple[int, object]]):
+    """A loopback HTTP server answering GETs of `routes`' paths with (status, JSON); any other path: 404."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            code, answer = routes.get(self.path, (404, {"error": "not found"}))
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(answer).encode())
+
+        def log_message(self, *args):
+            pass
+
+    return _start(Handler)
+
+
 def proxy(upstream: str, change: Callable[[str, dict], dict] | None = None):
     """A loopback HTTP proxy in front of `upstream` (a real model server): it forwards every request, streams
     every answer back as it comes, and records each POST as (path, JSON body) in `httpd.requests`, the body as

@@ -21,7 +21,7 @@ from app.settings import Settings
 from components.chat import segment_footer
 from components.compare import compare_markdown
 from components.timing import prefill_frame, timing_summary
-from tests.http_peers import serve
+from tests.http_peers import serve, serve_get
 
 SERVER = ModelServer("http://127.0.0.1:9")
 
@@ -138,3 +138,17 @@ def test_both_servers_are_sent_the_top_k_setting(top_k):
     settings = Settings(temperature=0.7, top_k=top_k)
     assert LlamaCpp().request([1], settings, 4, 0)["top_k"] == top_k  # (llama.cpp: 0 = all tokens)
     assert Vllm("m").request([1], settings, 4, 0).get("top_k", 0) == top_k
+
+
+@pytest.mark.parametrize("route, expected", [
+    ((200, [{"id": 0, "path": "/app/assets/adapter/adapter.gguf", "scale": 1.0}]), "adapter.gguf ×1.0"),
+    ((200, [{"id": 0, "path": "a.gguf", "scale": 0.0}]), None),  # (loaded, not applied: --lora-init-without-apply)
+    ((200, []), None),
+    (None, None),  # (a server without the route: 404)
+])
+def test_llama_cpp_says_which_lora_adapters_it_applies(route, expected):
+    httpd, url = serve_get({"/lora-adapters": route} if route else {})
+    try:
+        assert LlamaCpp().adapters(ModelServer(url)) == expected
+    finally:
+        httpd.shutdown()

@@ -72,6 +72,7 @@ class BackendStats:
     steps: int | None = None  # the scheduler's steps so far (None: a model server schedules its own)
     rows: int = 0  # row-steps: rows / steps is the mean batch
     peak_rows: int = 0
+    adapter: str | None = None  # the LoRA adapter merged into the weights, and the run that trained it (None: base)
 
 
 class Backend(Protocol):
@@ -87,6 +88,7 @@ class Backend(Protocol):
     special_token_texts: list[str]
     kv_in_process: bool  # the sessions' keys/values live in this process (in its memory budget), not on a server
     kv_bytes_per_token: int  # what one token's keys/values take in this process (0 where they live on a server)
+    tuned_for: str | None  # the protocol the weights were tuned for (a LoRA adapter's), which `auto` chooses
 
     def stats(self) -> BackendStats:
         """The backend's figures for the stats panel and `/stats`."""

@@ -49,7 +49,9 @@ class LocalBackend:
         self.tokenizer = loaded.tokenizer
         self.lock = threading.RLock()  # fast tokenizers are not thread-safe
         self.scheduler = Scheduler(loaded.model)
-        self.name = f"in-process ({loaded.name}, {loaded.weights})"
+        trained = f" + adapter {loaded.adapter.digest}" if loaded.adapter else ""
+        self.name = f"in-process ({loaded.name}{trained}, {loaded.weights})"
+        self.tuned_for = loaded.adapter.protocol if loaded.adapter else None  # (`auto` chooses it)
         self.special_token_texts = loaded.special_token_texts
         self.kv_bytes_per_token = loaded.kv_bytes_per_token
         self._stops: dict[tuple[str, ...], StopChecker] = {}  # by stop strings (a protocol's), built once each
@@ -91,8 +93,11 @@ class LocalBackend:
             f"the model's own forward, one row a step: {fast_path_reason(self.model.config) or 'not a ragged model'}"
         if self.loaded.matmuls:
             path += f"; float32 matmuls on {self.loaded.matmuls}"
+        adapter = self.loaded.adapter
+        weights = f"{adapter.folder.name} {adapter.digest}, trained by {adapter.made_by or 'an unrecorded run'}" \
+            if adapter else None
         return BackendStats(self.name, kv_in_process=True, runs=path, steps=counts.steps, rows=counts.rows,
-                            peak_rows=counts.peak_rows)
+                            peak_rows=counts.peak_rows, adapter=weights)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """New weights for the running model (a trainer's, after its step), copied in between two scheduler steps.

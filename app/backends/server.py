@@ -81,6 +81,17 @@ class LlamaCpp:
     def tokenize(self, server: ModelServer, text: str) -> list:
         return _field(server.post_json("/tokenize", {"content": text, "add_special": False}), "tokens", list, server)
 
+    def adapters(self, server: ModelServer) -> str | None:
+        """The LoRA adapters the server applies (`--lora`), as "file ×scale"; None where it applies none or does
+        not say (a server without the route)."""
+        try:
+            listed = server.get_json("/lora-adapters")
+        except ServerHTTPError:
+            return None
+        applied = [f"{str(a.get('path', '?')).rsplit('/', 1)[-1]} ×{a.get('scale')}" for a in listed
+                   if isinstance(a, dict) and a.get("scale")] if isinstance(listed, list) else []
+        return ", ".join(applied) or None
+
     def warm(self, server: ModelServer, ids: list[int]) -> None:
         server.post_json(self.path, {"prompt": ids, "n_predict": 0, "cache_prompt": True})  # evaluate, generate none
 
@@ -122,6 +133,9 @@ class Vllm:
 
     kind = "vllm"
     path = "/v1/completions"
+
+    def adapters(self, server: ModelServer) -> str | None:
+        return None  # (a vLLM LoRA is a served model name of its own: MODEL_SERVER_MODEL)
 
     def __init__(self, model: str | None):
         self.model = model
@@ -197,7 +211,8 @@ class ServerBackend:
     kv_in_process = False  # the server holds the keys/values
     kv_bytes_per_token = 0  # (none of them in this process's memory)
 
-    def __init__(self, server: ModelServer, dialect: LlamaCpp | Vllm, tokenizer, context_limit: int):
+    def __init__(self, server: ModelServer, dialect: LlamaCpp | Vllm, tokenizer, context_limit: int,
+                 adapter: str | None = None):
         self.server, self.dialect, self.tokenizer = server, dialect, tokenizer
         self.lock = threading.RLock()
         self._warmed: OrderedDict[int, None] = OrderedDict()  # hashes of the prompts prefill() sent
@@ -206,7 +221,9 @@ class ServerBackend:
         self.parallel = server_parallel()
         self.shares_prefix = False  # the server holds the keys/values (and shares the prefix in its own cache)
         self.special_token_texts = special_token_texts(tokenizer)
-        self.name = f"{dialect.kind} server {server.url}"
+        self.adapter = adapter  # the LoRA adapters the server said it applies at connect (None: none)
+        self.tuned_for = None  # (a server does not say what its adapter was tuned for: PROTOCOL chooses)
+        self.name = f"{dialect.kind} server {server.url}" + (f" + adapter {adapter}" if adapter else "")
 
     @classmethod
     def from_env(cls, url: str) -> "ServerBackend":
@@ -233,10 +250,10 @@ class ServerBackend:
         if theirs != ours:
             raise BackendError(f"model server {server.url} tokenizes differently from this app's tokenizer "
                                f"({theirs[:8]}… vs {ours[:8]}…): set MODEL_ID / GGUF_FILE to the served model")
-        return cls(server, dialect, tokenizer, context_limit)
+        return cls(server, dialect, tokenizer, context_limit, dialect.adapters(server))
 
     def stats(self) -> BackendStats:
-        return BackendStats(self.name, kv_in_process=False, runs=f"{self.dialect.kind} server")
+        return BackendStats(self.name, kv_in_process=False, runs=f"{self.dialect.kind} server", adapter=self.adapter)
 
     def turn_scope(self) -> AbstractContextManager[None]:
         return nullcontext()  # the server schedules its own batches

