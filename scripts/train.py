@@ -1,10 +1,14 @@
-"""GRPO on the bundled model with this engine's rollouts (app.training): arithmetic and look-up questions of the
-project's tuning ("wide") sets, never the test set, guide off, N steps on CPU. Prints the mean reward of every
-step, writes the reward curve (PNG), the per-step log (JSON) and the checkpoint (a model folder: MODEL_ID=<it>
-runs it).
+"""Teach the bundled model to do its own work in the chat protocol, on CPU, as a LoRA adapter:
 
-    python3 scripts/train.py --steps 12 --out runs/grpo        # then, before/after on the test set:
-    MODEL_ID=runs/grpo/checkpoint python3 benchmarks/answer_quality.py --set test --guide off
+    stage 1  the guide teaches: supervised fine-tuning on this engine's own guided episodes (sums, look-ups,
+             chit-chat), graded first so only right episodes are taught (app.training.sft)
+    stage 2  GRPO through TRL's GRPOTrainer with this engine's rollouts (EngineRollout, guide off), aimed at what
+             stage 1 leaves: word problems, several operations, powers, percents, negative results, exact operands
+A dev set (the benchmark's dev questions and a hard split of generated ones) is evaluated unguided every
+--eval-every steps: the eval curve. Questions are generated (app.training.questions) and never a test or dev one.
+
+    python3 scripts/train.py                      # both stages, the defaults (~45 min on 2 cores)
+    python3 scripts/train.py --out runs/train --adapter-out assets/adapter     # ... and ship the adapter
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,118 +26,267 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from app.backends.local import LocalBackend  # noqa: E402
+from app.engine.engine import Engine  # noqa: E402
+from app.model.adapter import TRAINED_FILE  # noqa: E402
 from app.model.float32 import plain_copy  # noqa: E402
 from app.model.loading import load_model  # noqa: E402
-from app.training.rewards import REWARD_FUNCS  # noqa: E402
+from app.settings import Settings  # noqa: E402
+from app.training import questions as gen  # noqa: E402
+from app.training.evaluate import evaluate, named_right_tool, right  # noqa: E402
+from app.training.questions import Question  # noqa: E402
+from app.training.rewards import TASK_REWARD_FUNCS  # noqa: E402
 from app.training.rollout import EngineRollout  # noqa: E402
-from benchmarks.answer_quality import ARITHMETIC, LOOKUPS  # noqa: E402
+from app.training.sft import SharedPrefixSFT, batches, example  # noqa: E402
+from app.training.weights import sync  # noqa: E402
+from benchmarks.answer_quality import ARITHMETIC, CHITCHAT, LOOKUPS  # noqa: E402
+
+PROTOCOL = "chat"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def train_questions(seed: int) -> list[tuple[str, str | None, str]]:
-    """(question, expected answer or None, the tool that answers it): the tuning set's sums (ARITHMETIC["wide"])
-    and look-ups (LOOKUPS["wide"]), shuffled together: never a test or dev question."""
-    sums = [(q, a, "Calculator") for q, a in ARITHMETIC["wide"]]
-    lookups = [(q, None, "Search") for q, _ in LOOKUPS["wide"]]
-    held_out = {q for q, _ in ARITHMETIC["test"] + ARITHMETIC["dev"] + LOOKUPS["test"] + LOOKUPS["dev"]}
-    assert not held_out & {q for q, _, _ in sums + lookups}
-    rows = sums + lookups
-    random.Random(seed).shuffle(rows)
-    return rows
+def held_out() -> list[str]:
+    """Every question of the benchmark's test and dev sets: training never sees one."""
+    return [q for s in ("test", "dev") for q, _ in ARITHMETIC[s] + LOOKUPS[s]] + CHITCHAT["test"] + CHITCHAT["dev"]
 
 
-# Each reward as the step line and the curve name it: (short name, TRL's log key, curve label)
-REWARDS = (("exact", "rewards/exact_match_reward/mean", "exact match (sums)"),
-           ("call", "rewards/well_formed_call_reward/mean", "well-formed call"),
-           ("tool", "rewards/expected_tool_reward/mean", "the right tool"))
+def hard_split(seed: int, which: str) -> list[Question]:
+    """24 hard sums of their own seed: "dev" for the eval curve, "test" for the report; never trained on."""
+    return gen.hard_sums(random.Random(seed + {"dev": 1000, "test": 2000}[which]), 24)
 
 
-def plot(curve: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [row["step"] for row in curve]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [row["reward"] for row in curve], marker="o", label="mean reward (sum of the three)")
-    for _, key, label in REWARDS:
-        values = [row.get(key) for row in curve]  # (None where no row of the step had this reward: a gap)
-        ax.plot(steps, [float("nan") if v is None else v for v in values], marker=".", linestyle="--", label=label)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward")
-    ax.set_title("GRPO on SmolLM2-135M, this engine's rollouts (CPU)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def dev_set(seed: int) -> list[Question]:
+    """The benchmark's dev questions and the hard dev split."""
+    return ([Question(q, "sum", a) for q, a in ARITHMETIC["dev"]] + hard_split(seed, "dev")
+            + [Question(q, "look-up", _headword(q)) for q, _ in LOOKUPS["dev"]]
+            + [Question(q, "chit-chat") for q in CHITCHAT["dev"]])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--questions-per-step", type=int, default=1)
-    parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--max-completion-length", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--learning-rate", type=float, default=5e-6)
-    parser.add_argument("--protocol", choices=("textenv", "chat"), default="textenv")
-    parser.add_argument("--sync", choices=("float32", "int8"), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("runs/grpo"))
-    args = parser.parse_args()
+def never_trained(seed: int) -> list[str]:
+    """Every question training must not see: the benchmark's test and dev sets and both hard splits."""
+    return held_out() + [q.text for w in ("dev", "test") for q in hard_split(seed, w)]
 
+
+def _headword(question: str) -> str:
+    for ask in ("What does {} mean?", "What is the meaning of {}?", "Explain the term {}.", "Define {}.",
+                "What is a {}?", "What is an {}?", "What is {}?"):
+        head, tail = ask.split("{}")
+        if question.startswith(head) and question.endswith(tail):
+            return question[len(head): len(question) - len(tail)]
+    raise ValueError(f"no headword in {question!r}")
+
+
+class Run:
+    """The policy (LoRA over the float32 model), the engine that samples it, and the log."""
+
+    def __init__(self, args):
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        from app.threads import model_threads
+
+        torch.set_num_threads(model_threads())
+        torch.manual_seed(args.seed)
+        self.args, self.began = args, time.perf_counter()
+        self.loaded = load_model(weights="float32")
+        self.backend = LocalBackend(self.loaded)
+        base = plain_copy(self.loaded.model).train()
+        base.set_attn_implementation("sdpa")
+        self.policy = get_peft_model(base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                      lora_dropout=0.0, target_modules=LORA_TARGETS))
+        self.engine = Engine(self.backend, protocol=PROTOCOL)
+        self.dev = dev_set(args.seed)
+        self.log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "evals": [], "sft": [], "grpo": []}
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.began
+
+    def sync(self) -> None:
+        """The engine samples the policy's current weights (the adapter merged in)."""
+        self.backend, _ = sync(self.backend, self.policy, "float32")
+        self.engine = Engine(self.backend, protocol=PROTOCOL)
+
+    def evaluate(self, stage: str, step: int) -> dict:
+        self.sync()
+        began = time.perf_counter()
+        scores, episodes = evaluate(self.engine, self.dev, Settings(max_new_tokens=64))
+        row = {"stage": stage, "step": step, "seconds": round(time.perf_counter() - began, 1),
+               "at": round(self.seconds()), "scores": [s.to_json() for s in scores]}
+        self.log["evals"].append(row)
+        print(f"eval {stage} {step}: " + ", ".join(f"{s.kind} tool {s.tool}/{s.n} right {s.right}/{s.n}"
+                                                    for s in scores) + f" ({row['seconds']} s)", flush=True)
+        self.log.setdefault("episodes", {})[f"{stage} {step}"] = [
+            {"q": q.text, "right": right(q, e), "tool": named_right_tool(q, e),
+             "segments": [[s.kind, s.text] for s in e.segments]} for q, e in zip(self.dev, episodes)]
+        return row
+
+    def report(self, stage: str) -> None:
+        """The hard test split (never trained on, never in the curve) after a stage: stage 2's part apart from 1's."""
+        self.sync()
+        [score], _ = evaluate(self.engine, hard_split(self.args.seed, "test"), Settings(max_new_tokens=64))
+        self.log.setdefault("hard_test", {})[stage] = score.to_json()
+        print(f"hard test split after {stage}: tool {score.tool}/{score.n}, right {score.right}/{score.n}", flush=True)
+
+    def save(self) -> None:
+        (self.args.out / "log.json").write_text(json.dumps(self.log, indent=1))
+
+
+def teacher_examples(run: Run, questions: list[Question]) -> list:
+    """The guide's episodes for `questions`, graded: only those that answered right with the right tool teach."""
+    episodes = run.engine.run([q.text for q in questions], Settings(max_new_tokens=64), guide=True)
+    kept = [e for q, e in zip(questions, episodes) if right(q, e) and named_right_tool(q, e)]
+    by_kind = {k: sum(1 for q, e in zip(questions, episodes) if q.kind == k and e in kept)
+               for k in dict.fromkeys(q.kind for q in questions)}
+    print(f"teacher: {len(kept)} of {len(questions)} guided episodes right, by kind {by_kind}", flush=True)
+    run.log["teacher"] = {"questions": len(questions), "kept": len(kept), "by_kind": by_kind}
+    return [example(e) for e in kept]
+
+
+def stage_sft(run: Run) -> None:
+    args = run.args
+    rng = random.Random(args.seed)
+    questions = gen.without(gen.plain_sums(rng, args.sft_sums) + gen.hard_sums(rng, args.sft_hard)
+                            + gen.lookups(rng, args.sft_lookups, avoid=held_out()) + gen.chitchat(rng, len(gen.CHITCHAT)),
+                            never_trained(args.seed))
+    gen.disjoint(questions, never_trained(args.seed))
+    began = time.perf_counter()
+    examples = teacher_examples(run, questions)
+    run.log["teacher"]["seconds"] = round(time.perf_counter() - began, 1)
+    session = run.engine.new_session()
+    prompt = list(session.cache.ids)[: session.prompt_tokens]
+    sft = SharedPrefixSFT(run.policy, prompt, args.sft_lr, run.loaded.tokenizer.eos_token_id)
+    from tqdm import tqdm
+
+    for step, batch in zip(tqdm(range(1, args.sft_steps + 1), desc="stage 1 (SFT)"), batches(examples, args.sft_batch,
+                                                                                           args.seed)):
+        began = time.perf_counter()
+        loss = sft.step(batch)
+        run.log["sft"].append({"step": step, "loss": loss, "seconds": round(time.perf_counter() - began, 2)})
+        if step % args.eval_every == 0 or step == args.sft_steps:
+            run.evaluate("sft", step)
+            run.save()
+
+
+def aimed(run: Run, pool: list[Question], samples: int) -> list[Question]:
+    """The questions of `pool` that the policy does not yet always answer right: each sampled `samples` times at the
+    stage's temperature, unguided; kept where a sample was wrong (a group of them can have mixed outcomes)."""
+    run.sync()
+    settings = Settings(max_new_tokens=64, temperature=run.args.temperature, seed=run.args.seed)
+    episodes = run.engine.run([q.text for q in pool for _ in range(samples)], settings, guide=False)
+    kept = [q for i, q in enumerate(pool) if not all(right(q, e) for e in episodes[i * samples:(i + 1) * samples])]
+    by_kind = {k: f"{sum(q.kind == k for q in kept)}/{sum(q.kind == k for q in pool)}"
+               for k in dict.fromkeys(q.kind for q in pool)}
+    print(f"aimed: {len(kept)} of {len(pool)} questions had a wrong sample of {samples}, by kind {by_kind}", flush=True)
+    run.log["aimed"] = {"pool": len(pool), "kept": len(kept), "samples": samples, "by_kind": by_kind}
+    return kept
+
+
+def stage_grpo(run: Run) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    from app.threads import model_threads
-
-    torch.set_num_threads(model_threads())  # the trainer's passes (this thread); rollouts never run meanwhile
-    loaded = load_model(weights="float32")  # the engine's model (the bundled GGUF, converted to float32)
-    policy = plain_copy(loaded.model).train().requires_grad_(True)  # the trainer's: the same weights
-    policy.set_attn_implementation("sdpa")  # (torch's own attention for the backward pass)
-    backend = LocalBackend(loaded)
-    rollout = EngineRollout(backend, protocol=args.protocol, sync=args.sync, guide=False, seed=args.seed)
-    rows = train_questions(args.seed)
-    data = Dataset.from_dict({"prompt": [q for q, _, _ in rows], "expected": [a for _, a, _ in rows],
-                              "tool": [t for _, _, t in rows]})
+    args = run.args
+    rng = random.Random(args.seed + 1)
+    pool = gen.without(gen.hard_sums(rng, args.grpo_pool * 2 // 3) + gen.plain_sums(rng, args.grpo_pool // 6)
+                       + gen.lookups(rng, args.grpo_pool // 12, held_out()) + gen.chitchat(rng, args.grpo_pool // 12),
+                       never_trained(args.seed))
+    gen.disjoint(pool, never_trained(args.seed))
+    began = time.perf_counter()
+    kept = aimed(run, pool, samples=2) or pool
+    run.log["aimed"]["seconds"] = round(time.perf_counter() - began, 1)
+    need = args.grpo_steps * args.questions_per_step
+    rng.shuffle(kept)
+    questions = (kept * (need // len(kept) + 1))[:need]  # (cycled where fewer than the run asks)
+    data = Dataset.from_dict({"prompt": [q.text for q in questions], "kind": [q.kind for q in questions],
+                              "expected": [q.expected for q in questions]})
+    rollout = EngineRollout(run.backend, protocol=PROTOCOL, sync="float32", guide=False, seed=args.seed)
     config = GRPOConfig(
-        output_dir=str(args.out / "trainer"), per_device_train_batch_size=args.questions_per_step * args.num_generations,
-        num_generations=args.num_generations, max_steps=args.steps, max_completion_length=args.max_completion_length,
-        temperature=args.temperature, learning_rate=args.learning_rate, beta=0.0, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=args.seed, max_tool_calling_iterations=4,
-        disable_tqdm=False, gradient_checkpointing=False)  # (memory is no concern here; the backward is faster)
-    curve: list[dict] = []
+        output_dir=str(args.out / "trainer"), per_device_train_batch_size=args.generations,
+        gradient_accumulation_steps=args.questions_per_step,  # (one group a pass: 8 rows of ~1,150 tokens took 24 GB)
+        num_generations=args.generations, max_steps=args.grpo_steps, max_completion_length=96,
+        temperature=args.temperature, learning_rate=args.grpo_lr, beta=0.0, logging_steps=1,
+        reward_weights=[1.0, 0.25], report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=args.seed,
+        max_tool_calling_iterations=2, disable_tqdm=False, gradient_checkpointing=True)
 
-    class Curve(TrainerCallback):
+    class Log(TrainerCallback):
         def on_log(self, _args, state, _control, logs=None, **_):
             if logs and "reward" in logs:
-                row = {"step": state.global_step, **logs, "rollout_s": rollout.stats.seconds,
-                       "sync_s": rollout.stats.sync_seconds[-1] if rollout.stats.sync_seconds else None}
-                curve.append(row)
-                parts = [f"{name} {mean:.2f}" for name, key, _ in REWARDS
-                         if (mean := logs.get(key)) is not None]  # (None: no row of the step had this reward)
-                print(f"\nstep {state.global_step}: mean reward {logs['reward']:.3f} ({', '.join(parts)}), loss "
-                      f"{logs.get('loss', float('nan')):.4f}, rollouts {rollout.stats.seconds:.1f} s", flush=True)
+                row = {"step": state.global_step, "reward": logs["reward"],
+                       "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
+                       "right": logs.get("rewards/right_answer_reward/mean"), "loss": logs.get("loss"),
+                       "rollout_s": round(rollout.stats.seconds, 2),
+                       "sync_s": round(rollout.stats.sync_seconds[-1], 2) if rollout.stats.sync_seconds else None,
+                       "step_s": round(logs.get("step_time", 0.0) or 0.0, 2), "at": round(run.seconds())}
+                run.log["grpo"].append(row)
+                print(f"\nstep {row['step']}: reward {row['reward']:.3f}, right {row['right']}, zero-std "
+                      f"{row['frac_reward_zero_std']}, rollouts {row['rollout_s']} s", flush=True)
 
-    trainer = GRPOTrainer(model=policy, reward_funcs=REWARD_FUNCS, args=config, train_dataset=data,
-                          processing_class=loaded.tokenizer, rollout_func=rollout, callbacks=[Curve()])
-    began = time.perf_counter()
+        def on_step_end(self, _args, state, _control, **_):
+            if state.global_step % args.eval_every == 0 or state.global_step == args.grpo_steps:
+                run.backend = rollout.backend
+                run.evaluate("grpo", state.global_step)
+                run.save()
+
+    trainer = GRPOTrainer(model=run.policy, reward_funcs=TASK_REWARD_FUNCS, args=config, train_dataset=data,
+                          processing_class=run.loaded.tokenizer, rollout_func=rollout, callbacks=[Log()])
     trainer.train()
-    seconds = time.perf_counter() - began
-    checkpoint = args.out / "checkpoint"
-    trainer.save_model(str(checkpoint))
-    loaded.tokenizer.save_pretrained(str(checkpoint))
-    (args.out / "curve.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                      "seconds": seconds, "steps": curve}, indent=1))
-    plot(curve, args.out / "reward_curve.png")
-    first, last = curve[: max(1, len(curve) // 4)], curve[-max(1, len(curve) // 4):]
-    mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
-    print(f"\n{len(curve)} steps in {seconds:.0f} s; mean reward of the first quarter {mean(first):.3f}, of the last "
-          f"{mean(last):.3f}; checkpoint {checkpoint}, curve {args.out / 'reward_curve.png'}")
-    backend.scheduler.release()
+
+
+def ship(run: Run, folder: Path) -> None:
+    """The adapter in float16 (half the bytes; merged at load into float32) with the command and commit beside it."""
+    import torch
+
+    run.policy.save_pretrained(str(folder))
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "adapter_model.safetensors"
+    save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (folder / TRAINED_FILE).write_text(json.dumps({"command": " ".join(["python3 scripts/train.py", *sys.argv[1:]]),
+                                                   "commit": commit, "protocol": PROTOCOL}, indent=1) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--sft-batch", type=int, default=8)
+    parser.add_argument("--sft-lr", type=float, default=5e-4)
+    parser.add_argument("--sft-sums", type=int, default=64)
+    parser.add_argument("--sft-hard", type=int, default=48)
+    parser.add_argument("--sft-lookups", type=int, default=40)
+    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--questions-per-step", type=int, default=2)
+    parser.add_argument("--grpo-pool", type=int, default=192, help="generated questions stage 2 is aimed from")
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--grpo-lr", type=float, default=3e-4)
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("runs/train"))
+    parser.add_argument("--adapter-out", type=Path, default=None, help="also write the adapter here (assets/adapter)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    run = Run(args)
+    run.evaluate("base", 0)
+    run.report("base")
+    stage_sft(run)
+    run.report("sft")
+    run.policy.save_pretrained(str(args.out / "adapter-sft"))
+    if args.grpo_steps:
+        stage_grpo(run)
+        run.report("grpo")
+    ship(run, args.out / "adapter")
+    if args.adapter_out:
+        ship(run, args.adapter_out)
+    run.log["seconds"] = round(run.seconds())
+    run.save()
+    from training_plots import plot
+
+    plot(run.log, args.out)
+    print(f"done in {run.seconds():.0f} s: {args.out / 'log.json'}, {args.out / 'eval_curve.png'}, "
+          f"adapter {args.out / 'adapter'}")
+    run.backend.scheduler.release()
     return 0
 
 

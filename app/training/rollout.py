@@ -140,7 +140,7 @@ class EngineRollout:
         reward functions read. An episode with no token after its question is given as the `eos` token with mask 0 and
         logprob 0.0, since TRL reads every completion's last token."""
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "answer",
-                                                  "tool_calls", "tool_ok", "stop_reason")}
+                                                  "tool_calls", "tool_ok", "stop_reason", "answered")}
         for episode, ids in zip(episodes, prompt_ids, strict=True):
             after = episode.query_end - episode.query_start
             completion, logprobs, mask = episode.token_ids[after:], episode.logprobs[after:], episode.mask[after:]
@@ -156,4 +156,5 @@ class EngineRollout:
             out["tool_ok"].append([s.ok for s in tools])
             stop = episode.stop
             out["stop_reason"].append(stop.reason.value if stop is not None else "none")
+            out["answered"].append(episode.answered)
         return out

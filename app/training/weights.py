@@ -15,8 +15,18 @@ SYNC_MODES = ("float32", "int8")
 
 
 def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trained model's weights, detached (a state dict under the names the engine's model uses)."""
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    """The trained model's weights, detached, under the names the engine's model uses; a peft model's with its LoRA
+    adapter merged in (copies: the adapter is unmerged again)."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    model.merge_adapter()
+    try:
+        return {name.replace(".base_layer", ""): tensor.detach().clone()
+                for name, tensor in model.get_base_model().state_dict().items() if "lora_" not in name}
+    finally:
+        model.unmerge_adapter()
 
 
 def sync(backend: LocalBackend, policy: torch.nn.Module, mode: str) -> tuple[LocalBackend, float]:

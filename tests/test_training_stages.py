@@ -1,0 +1,134 @@
+"""The pieces of scripts/train.py's two stages: generated questions kept apart from held-out ones, supervised
+examples that learn only the model's and the guide's tokens, the shared-prefix SFT loss equal to the whole
+sequence's, the task rewards, and a peft policy's weights reaching the engine with its adapter merged."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.episode import Episode, Provenance, Segment
+from app.tools.registry import default_tools
+from app.training import questions as gen
+from app.training.rewards import right_answer, right_answer_reward, right_tool
+from app.training.sft import IGNORE, SharedPrefixSFT, batches, example
+
+peft = pytest.importorskip("peft")
+
+
+def test_generated_sums_carry_the_calculators_value():
+    rng = random.Random(3)
+    calculator = default_tools()["Calculator"]
+    for question in gen.plain_sums(rng, 20):
+        expression = re.search(r"[\d,]+ [-+*/] [\d,]+", question.text).group()
+        assert calculator.function(expression) == question.expected, question
+    hard = gen.hard_sums(rng, 60)
+    assert {q.kind for q in hard} == {"hard"} and all(q.expected for q in hard)
+    assert any(q.expected.startswith("-") for q in hard)  # (negative results are in the mix)
+
+
+def test_lookups_avoid_held_out_words_and_disjoint_refuses_a_held_out_question():
+    words = {q.expected for q in gen.lookups(random.Random(0), 200, avoid=["What does kludge mean?"])}
+    assert "kludge" not in words and len(words) == 200
+    with pytest.raises(ValueError, match="held-out"):
+        gen.disjoint([gen.Question("What is 57 * 38?", "sum", "2166")], ["what is 57  * 38?"])
+
+
+def _episode() -> Episode:
+    """A question of 2 tokens, a call the guide forced (3), a tool's output (2), an answer: 1 steered, 2 the model's."""
+    call = Segment("model", "c", 2, 5, provenance=[Provenance.FORCED] * 3)
+    tool = Segment("tool", "t", 5, 7, tool="Calculator", query="2 + 2")
+    answer = Segment("model", "a", 7, 10, provenance=[Provenance.STEERED, Provenance.MODEL, Provenance.MODEL])
+    return Episode("q", 0, 2, True, segments=[call, tool, answer], token_ids=[11, 12, 21, 22, 23, 31, 32, 41, 42, 2])
+
+
+def test_an_example_learns_the_model_and_guide_tokens_only():
+    ex = example(_episode())
+    assert ex.ids == [11, 12, 21, 22, 23, 31, 32, 41, 42, 2]
+    assert ex.labels == [IGNORE, IGNORE, 21, 22, 23, IGNORE, IGNORE, 41, 42, 2]
+
+
+def test_batches_cycle_through_every_example():
+    seen = [e for batch, _ in zip(batches(list(range(5)), 2, seed=1), range(5)) for e in batch]
+    assert sorted(seen[:5]) == [0, 1, 2, 3, 4] and len(seen) == 10
+
+
+def test_the_shared_prefix_loss_is_the_whole_sequences(tiny_llama):
+    """The prompt's keys/values computed once without gradient give the loss a full forward pass gives."""
+    from app.model.float32 import plain_copy
+
+    model = plain_copy(tiny_llama.model).eval().requires_grad_(True)
+    prompt = [1, 7, 8, 9, 10]
+    batch = [example(_episode()), gen_example([3, 4, 5, 6], [IGNORE, 4, 5, 6])]
+    sft = SharedPrefixSFT(model, prompt, 1e-3, pad_id=2)
+    with torch.no_grad():
+        shared = sft.loss(batch)
+        losses, counts = [], []
+        for ex in batch:
+            logits = model(input_ids=torch.tensor([prompt + ex.ids])).logits[0, len(prompt):]
+            labels = torch.tensor(ex.labels)
+            losses.append(F.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE, reduction="sum"))
+            counts.append(int((labels[1:] != IGNORE).sum()))
+    assert float(shared) == pytest.approx(float(sum(losses)) / sum(counts), rel=1e-4)
+
+
+def gen_example(ids: list[int], labels: list[int]):
+    from app.training.sft import Example
+
+    return Example(ids, labels)
+
+
+def test_sft_steps_lower_the_loss_of_a_lora_policy(tiny_llama):
+    from app.model.float32 import plain_copy
+
+    torch.manual_seed(0)
+    policy = peft.get_peft_model(plain_copy(tiny_llama.model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0))
+    batch = [example(_episode())]
+    sft = SharedPrefixSFT(policy, [1, 7, 8], 5e-2, pad_id=2)
+    first = sft.step(batch)
+    for _ in range(20):
+        last = sft.step(batch)
+    assert last < first - 0.3  # (a 32-wide random model: the adapter cannot move its head far)
+
+
+@pytest.mark.parametrize("kind, expected, answer, calls, answered, is_right, tool", [
+    ("sum", "42", "Result = 42", [("calculator", "6 * 7")], True, True, True),
+    ("sum", "42", "Result = 42", [("search", "6 * 7")], True, True, False),  # (right answer, wrong tool)
+    ("hard", "-3", "Result = 3", [("calculator", "5 - 8")], True, False, True),
+    ("sum", "42", "Result = 42", [("calculator", "6 * 7")], False, False, True),  # (never ended its answer)
+    ("look-up", "grok", "Result = grok: to understand deeply", [("search", "grok")], True, True, True),
+    ("look-up", "grok", "Result = grok: to understand deeply", [("search", "grok it")], True, False, True),
+    ("look-up", "grok", "grok", [("search", "grok")], True, False, True),  # (no definition copied)
+    ("chit-chat", None, "Hello!", [], True, True, True),
+    ("chit-chat", None, "Result = 4", [("calculator", "2 + 2")], True, False, False),
+])
+def test_task_verdicts(kind, expected, answer, calls, answered, is_right, tool):
+    assert right_answer(kind, expected, answer, calls, answered) is is_right
+    assert right_tool(kind, calls) is tool
+    assert right_answer_reward([None], [kind], [expected], [answer], [calls], [answered]) == [float(is_right)]
+
+
+def test_a_peft_policys_weights_reach_the_engine_merged(tiny_llama):
+    from app.model.float32 import plain_copy
+    from app.training.weights import trainer_weights
+
+    base = plain_copy(tiny_llama.model)
+    names = set(base.state_dict())
+    policy = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                       lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    state = trainer_weights(policy)
+    assert set(state) == names
+    q = "model.layers.0.self_attn.q_proj.weight"
+    layer = policy.get_base_model().model.layers[0].self_attn.q_proj
+    expected = layer.base_layer.weight + 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    assert torch.allclose(state[q], expected, atol=1e-6)
+    assert not torch.allclose(layer.base_layer.weight, expected)  # (the policy's own layer is unmerged again)
