@@ -29,7 +29,7 @@ from app.backends.local import LocalBackend  # noqa: E402
 from app.engine.engine import Engine  # noqa: E402
 from app.model.adapter import TRAINED_FILE  # noqa: E402
 from app.model.float32 import plain_copy  # noqa: E402
-from app.model.loading import load_model  # noqa: E402
+from app.model.loading import HUB_MODEL_ID, load_model  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.training import questions as gen  # noqa: E402
 from app.training.evaluate import evaluate, named_right_tool, right  # noqa: E402
@@ -238,6 +238,9 @@ def ship(run: Run, folder: Path) -> None:
 
     run.policy.save_pretrained(str(folder))
     from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())  # (the hub id, not this machine's cache path)
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": HUB_MODEL_ID}, indent=2))
 
     weights = folder / "adapter_model.safetensors"
     save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights)

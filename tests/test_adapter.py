@@ -61,12 +61,16 @@ def test_an_adapter_of_another_kind_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("value, bundled, expected", [
-    ("", True, BUNDLED_ADAPTER), ("", False, None), ("off", True, None), ("base", True, None)])
+    ("", True, None), ("off", True, None), ("on", True, BUNDLED_ADAPTER), ("ON", True, BUNDLED_ADAPTER)])
 def test_adapter_choice(monkeypatch, value, bundled, expected):
-    if expected is BUNDLED_ADAPTER and not (BUNDLED_ADAPTER / "adapter_config.json").exists():
-        pytest.skip("no adapter shipped in assets/")
     monkeypatch.setenv("ADAPTER", value)
     assert adapter_choice(bundled) == expected
+
+
+def test_the_shipped_adapter_is_never_merged_into_a_model_id_model(monkeypatch):
+    monkeypatch.setenv("ADAPTER", "on")
+    with pytest.raises(ModelUnavailable, match="MODEL_ID replaces"):
+        adapter_choice(False)
 
 
 def test_an_adapter_folder_is_taken_even_for_a_model_id_and_a_wrong_one_is_named(monkeypatch, tmp_path):

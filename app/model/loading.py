@@ -199,17 +199,20 @@ def weight_format() -> str:
 
 
 def adapter_choice(bundled: bool) -> Path | None:
-    """The adapter to merge at load, from ADAPTER: unset, the bundled one for the bundled model (never for a MODEL_ID
-    model); "off" (or "base"), none; a folder, that one."""
+    """The adapter to merge at load, from ADAPTER: unset or "off", none (the base model); "on", the shipped one
+    (assets/adapter), for the bundled model only; a folder, that one."""
     value = os.environ.get("ADAPTER", "").strip()
-    if value.lower() in ("off", "base", "none", "0"):
+    if value.lower() in ("", "off", "base", "none", "0"):
         return None
-    if value:
-        folder = Path(value)
-        if not (folder / "adapter_config.json").exists():
-            raise ModelUnavailable(f"ADAPTER={value}: no adapter_config.json there (a peft LoRA folder, or off)")
-        return folder
-    return BUNDLED_ADAPTER if bundled and (BUNDLED_ADAPTER / "adapter_config.json").exists() else None
+    if value.lower() in ("on", "1", "bundled"):
+        if not bundled:
+            raise ModelUnavailable("ADAPTER=on merges the shipped adapter, trained on the bundled model, which "
+                                   "MODEL_ID replaces: unset one of them, or set ADAPTER to a folder")
+        return BUNDLED_ADAPTER
+    folder = Path(value)
+    if not (folder / "adapter_config.json").exists():
+        raise ModelUnavailable(f"ADAPTER={value}: no adapter_config.json there (a peft LoRA folder, on or off)")
+    return folder
 
 
 def wrap(model, tokenizer, name: str, weights: str = "float32", folder: Path | None = None,

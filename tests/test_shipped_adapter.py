@@ -1,0 +1,62 @@
+"""The shipped adapter (assets/adapter, scripts/train.py's) on the bundled model: ADAPTER=on merges it and names
+it, `auto` then answers in the protocol it was tuned for, and the model calls the calculator itself with the guide
+off; unset, the base model answers and sends the same sum to Search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from app.backends.local import LocalBackend
+from app.engine.engine import Engine
+from app.model.adapter import GGUF_FILE, TRAINED_FILE
+from app.model.loading import BUNDLED_ADAPTER, ModelUnavailable, load_model
+from app.serving.service import DEFAULTS
+
+SUM = "What is 8215 - 8454?"  # (in no question set)
+UNGUIDED = dataclasses.replace(DEFAULTS, guide=False)
+
+
+def test_the_adapter_is_shipped_small_with_its_gguf_and_its_card():
+    files = {p.name: p.stat().st_size for p in BUNDLED_ADAPTER.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", GGUF_FILE, TRAINED_FILE} <= set(files)
+    assert sum(files.values()) < 11 * 2 ** 20
+    trained = json.loads((BUNDLED_ADAPTER / TRAINED_FILE).read_text())
+    assert trained["protocol"] == "chat" and trained["command"].startswith("python3 scripts/train.py")
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ADAPTER", "on")
+        backend = LocalBackend(load_model())
+    yield backend
+    backend.scheduler.release()
+
+
+def test_adapter_on_merges_the_shipped_adapter_and_the_model_calls_the_calculator_itself(tuned):
+    assert tuned.loaded.adapter is not None and tuned.loaded.adapter.folder == BUNDLED_ADAPTER
+    assert f"+ adapter {tuned.loaded.adapter.digest}" in tuned.name
+    assert "trained by python3 scripts/train.py" in tuned.stats().adapter
+    engine = Engine(tuned, protocol="auto")
+    assert engine.protocol.name == "chat"
+    episode = engine.ask(engine.new_session(), SUM, UNGUIDED)
+    assert [s.tool for s in episode.segments if s.kind == "tool"] == ["Calculator"]
+    assert episode.answer.endswith("-239") and set(episode.provenance) <= {"user", "tool", "model"}
+
+
+def test_by_default_the_base_model_answers(real):
+    assert real.loaded.adapter is None and "adapter" not in real.name and real.stats().adapter is None
+    assert Engine(real, protocol="auto").protocol.name == "textenv"
+    chat = Engine(real, protocol="chat")
+    episode = chat.ask(chat.new_session(), SUM, UNGUIDED)
+    calls = [s.tool for s in episode.segments if s.kind == "tool"]
+    assert calls and calls[0] != "Calculator"  # (the base model sends a sum to Search)
+
+
+def test_a_missing_adapter_folder_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("ADAPTER", "/nowhere/adapter")
+    with pytest.raises(ModelUnavailable, match="ADAPTER=/nowhere/adapter: no adapter_config.json"):
+        load_model()
