@@ -91,8 +91,13 @@ class Run:
         self.backend = LocalBackend(self.loaded)
         base = plain_copy(self.loaded.model).train()
         base.set_attn_implementation("sdpa")
-        self.policy = get_peft_model(base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                      lora_dropout=0.0, target_modules=LORA_TARGETS))
+        if args.init_adapter is not None:
+            from peft import PeftModel
+
+            self.policy = PeftModel.from_pretrained(base, str(args.init_adapter), is_trainable=True)
+        else:
+            self.policy = get_peft_model(base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                          lora_dropout=0.0, target_modules=LORA_TARGETS))
         self.engine = Engine(self.backend, protocol=PROTOCOL)
         self.dev = dev_set(args.seed)
         self.log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "evals": [], "sft": [], "grpo": []}
@@ -167,16 +172,19 @@ def stage_sft(run: Run) -> None:
 
 
 def aimed(run: Run, pool: list[Question], samples: int) -> list[Question]:
-    """The questions of `pool` that the policy does not yet always answer right: each sampled `samples` times at the
-    stage's temperature, unguided; kept where a sample was wrong (a group of them can have mixed outcomes)."""
+    """The questions of `pool` whose `samples` unguided samples at the stage's temperature disagree (some right,
+    some wrong): only such a group has a reward spread for GRPO to learn from."""
     run.sync()
     settings = Settings(max_new_tokens=64, temperature=run.args.temperature, seed=run.args.seed)
     episodes = run.engine.run([q.text for q in pool for _ in range(samples)], settings, guide=False)
-    kept = [q for i, q in enumerate(pool) if not all(right(q, e) for e in episodes[i * samples:(i + 1) * samples])]
+    hits = [sum(right(q, e) for e in episodes[i * samples:(i + 1) * samples]) for i, q in enumerate(pool)]
+    kept = [q for q, n in zip(pool, hits) if 0 < n < samples]
     by_kind = {k: f"{sum(q.kind == k for q in kept)}/{sum(q.kind == k for q in pool)}"
                for k in dict.fromkeys(q.kind for q in pool)}
-    print(f"aimed: {len(kept)} of {len(pool)} questions had a wrong sample of {samples}, by kind {by_kind}", flush=True)
-    run.log["aimed"] = {"pool": len(pool), "kept": len(kept), "samples": samples, "by_kind": by_kind}
+    print(f"aimed: {len(kept)} of {len(pool)} questions had mixed outcomes in {samples} samples "
+          f"({sum(n == 0 for n in hits)} always wrong), by kind {by_kind}", flush=True)
+    run.log["aimed"] = {"pool": len(pool), "kept": len(kept), "always_wrong": sum(n == 0 for n in hits),
+                        "samples": samples, "by_kind": by_kind}
     return kept
 
 
@@ -192,7 +200,7 @@ def stage_grpo(run: Run) -> None:
                        never_trained(args.seed))
     gen.disjoint(pool, never_trained(args.seed))
     began = time.perf_counter()
-    kept = aimed(run, pool, samples=2) or pool
+    kept = aimed(run, pool, samples=args.generations) or pool
     run.log["aimed"]["seconds"] = round(time.perf_counter() - began, 1)
     need = args.grpo_steps * args.questions_per_step
     rng.shuffle(kept)
@@ -261,21 +269,24 @@ def main() -> int:
     parser.add_argument("--questions-per-step", type=int, default=2)
     parser.add_argument("--grpo-pool", type=int, default=192, help="generated questions stage 2 is aimed from")
     parser.add_argument("--generations", type=int, default=4)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--grpo-lr", type=float, default=3e-4)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-adapter", type=Path, default=None,
+                        help="start from this saved adapter (e.g. runs/train/adapter-sft with --sft-steps 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/train"))
     parser.add_argument("--adapter-out", type=Path, default=None, help="also write the adapter here (assets/adapter)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args)
-    run.evaluate("base", 0)
-    run.report("base")
-    stage_sft(run)
-    run.report("sft")
-    run.policy.save_pretrained(str(args.out / "adapter-sft"))
+    run.evaluate("start", 0)
+    run.report("start")
+    if args.sft_steps:
+        stage_sft(run)
+        run.report("sft")
+        run.policy.save_pretrained(str(args.out / "adapter-sft"))
     if args.grpo_steps:
         stage_grpo(run)
         run.report("grpo")
