@@ -34,14 +34,15 @@ class Adapter:
 
 def merge(model: torch.nn.Module, folder: Path) -> Adapter:
     """Merge the LoRA adapter in `folder` into `model`'s linear weights in place."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora") or config.get("rank_pattern") \
             or config.get("alpha_pattern"):
         raise AdapterError(f"{folder}: only a plain LoRA adapter (one rank, one alpha) is merged at load")
     scale = config["lora_alpha"] / config["r"]
-    state = load_file(folder / WEIGHTS_FILE)
+    data = (folder / WEIGHTS_FILE).read_bytes()  # (read once: the weights and their digest)
+    state = load(data)
     modules = dict(model.named_modules())
     pairs = 0
     for key in sorted(k for k in state if k.endswith("lora_A.weight")):
@@ -59,7 +60,7 @@ def merge(model: torch.nn.Module, folder: Path) -> Adapter:
         pairs += 1
     if not pairs:
         raise AdapterError(f"{folder}: no LoRA weights in {WEIGHTS_FILE}")
-    digest = hashlib.sha256((folder / WEIGHTS_FILE).read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(data).hexdigest()[:12]
     trained = json.loads((folder / TRAINED_FILE).read_text(encoding="utf-8")) if (folder / TRAINED_FILE).exists() \
         else {}
     made_by = " at ".join(str(trained[k]) for k in ("command", "commit") if trained.get(k))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from app.model.adapter import Adapter, merge
+from app.model.adapter import CONFIG_FILE, Adapter, merge
 from app.model.attention import use_gqa_sdpa
 from app.model.float32 import use_packed
 from app.model.int8 import SAVED_INT8, int8_state, to_int8
@@ -210,8 +210,8 @@ def adapter_choice(bundled: bool) -> Path | None:
                                    "MODEL_ID replaces: unset one of them, or set ADAPTER to a folder")
         return BUNDLED_ADAPTER
     folder = Path(value)
-    if not (folder / "adapter_config.json").exists():
-        raise ModelUnavailable(f"ADAPTER={value}: no adapter_config.json there (a peft LoRA folder, on or off)")
+    if not (folder / CONFIG_FILE).exists():
+        raise ModelUnavailable(f"ADAPTER={value}: no {CONFIG_FILE} there (a peft LoRA folder, on or off)")
     return folder
 
 
@@ -294,7 +294,7 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None, weight
     if model_id is None:
         model_id, gguf_file = model_source()
         fallback = is_hub_fallback(model_id)
-        bundled = fallback or not os.environ.get("MODEL_ID", "").strip()
+        bundled = not os.environ.get("MODEL_ID", "").strip()  # (the bundled GGUF, or its hub fallback)
     folder = None  # the converted cache folder, where int8 weights are kept too
     if gguf_file:
         model, tokenizer = _load_gguf(model_id, gguf_file)
