@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.ui.conftest import OUT, TURN_MS
-from tests.ui.test_app import bot_messages, send, set_number, user_messages
+from tests.ui.test_app import bot_messages, send, set_number, set_text, user_messages
 from tests.ui.waits import BATCH, TURN, Lane, before, wait_ended
 
 pytestmark = pytest.mark.ui
@@ -114,16 +114,16 @@ def test_custom_system_prompt_is_used_and_a_change_starts_a_new_chat(open_page):
     set_number(page, "max-turns", 0)
     prompt = page.locator("#system-prompt textarea")
     expect(prompt).to_have_value(re.compile(r"\{tools\}"))
-    prompt.fill("You are Custom Bot.\nTools:\n{tools}\n")
+    set_text(prompt, "You are Custom Bot.\nTools:\n{tools}\n")
     send(page, "Hi")
     tokens = page.locator("#tokens")
     expect(tokens).to_contain_text("You are Custom Bot.")
     expect(tokens).to_contain_text("- Calculator:")
-    prompt.fill("You are Other Bot. {tools}")
+    set_text(prompt, "You are Other Bot. {tools}")
     send(page, "Hi again")
     expect(bot_messages(page).first).to_contain_text("System prompt changed")
     expect(user_messages(page)).to_have_text(["Hi again"])
     expect(tokens).to_contain_text("You are Other Bot.")
-    prompt.fill(" ")
+    set_text(prompt, " ")
     send(page, "kept", status=re.compile(r"^\s*error: the system prompt is empty"))
     expect(page.locator("#msg textarea")).to_have_value("kept")
