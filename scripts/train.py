@@ -1,7 +1,8 @@
 """Teach the bundled model to do its own work in the chat protocol, on CPU, as a LoRA adapter:
 
     stage 1  the guide teaches: supervised fine-tuning on this engine's own guided episodes (sums, look-ups,
-             chit-chat), graded first so only right episodes are taught (app.training.sft)
+             chit-chat), the guide told each generated question's call (app.training.teacher), graded first so
+             only right episodes are taught (app.training.sft)
     stage 2  GRPO through TRL's GRPOTrainer with this engine's rollouts (EngineRollout, guide off), aimed at what
              stage 1 leaves: word problems, several operations, powers, percents, negative results, exact operands
 A dev set (the benchmark's dev questions and a hard split of generated ones) is evaluated unguided every
@@ -37,6 +38,7 @@ from app.training.questions import Question  # noqa: E402
 from app.training.rewards import TASK_REWARD_FUNCS  # noqa: E402
 from app.training.rollout import EngineRollout  # noqa: E402
 from app.training.sft import SharedPrefixSFT, batches, example  # noqa: E402
+from app.training.teacher import teacher_tools  # noqa: E402
 from app.training.weights import sync  # noqa: E402
 from benchmarks.answer_quality import ARITHMETIC, CHITCHAT, LOOKUPS  # noqa: E402
 
@@ -136,8 +138,10 @@ class Run:
 
 
 def teacher_examples(run: Run, questions: list[Question]) -> list:
-    """The guide's episodes for `questions`, graded: only those that answered right with the right tool teach."""
-    episodes = run.engine.run([q.text for q in questions], Settings(max_new_tokens=64), guide=True)
+    """The guide's episodes for `questions`, the guide told each one's call (app.training.teacher), graded: only
+    those that answered right with the right tool teach."""
+    teacher = Engine(run.backend, tools=teacher_tools(run.engine.tools, questions), protocol=PROTOCOL)
+    episodes = teacher.run([q.text for q in questions], Settings(max_new_tokens=64), guide=True)
     kept = [e for q, e in zip(questions, episodes) if right(q, e) and named_right_tool(q, e)]
     by_kind = {k: sum(1 for q, e in zip(questions, episodes) if q.kind == k and e in kept)
                for k in dict.fromkeys(q.kind for q in questions)}
@@ -259,12 +263,12 @@ def ship(run: Run, folder: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--sft-steps", type=int, default=50)
     parser.add_argument("--sft-batch", type=int, default=8)
     parser.add_argument("--sft-lr", type=float, default=5e-4)
     parser.add_argument("--sft-sums", type=int, default=64)
-    parser.add_argument("--sft-hard", type=int, default=48)
-    parser.add_argument("--sft-lookups", type=int, default=40)
+    parser.add_argument("--sft-hard", type=int, default=64)
+    parser.add_argument("--sft-lookups", type=int, default=80)
     parser.add_argument("--grpo-steps", type=int, default=20)
     parser.add_argument("--questions-per-step", type=int, default=2)
     parser.add_argument("--grpo-pool", type=int, default=192, help="generated questions stage 2 is aimed from")

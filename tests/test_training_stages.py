@@ -16,6 +16,7 @@ from app.tools.registry import default_tools
 from app.training import questions as gen
 from app.training.rewards import right_answer, right_answer_reward, right_tool
 from app.training.sft import IGNORE, SharedPrefixSFT, batches, example
+from app.training.teacher import teacher_tools
 
 peft = pytest.importorskip("peft")
 
@@ -29,6 +30,23 @@ def test_generated_sums_carry_the_calculators_value():
     hard = gen.hard_sums(rng, 60)
     assert {q.kind for q in hard} == {"hard"} and all(q.expected for q in hard)
     assert any(q.expected.startswith("-") for q in hard)  # (negative results are in the mix)
+
+
+def test_every_generated_call_gives_the_expected_answer_and_the_teacher_claims_exactly_those():
+    rng = random.Random(4)
+    questions = (gen.plain_sums(rng, 10) + gen.hard_sums(rng, 30) + gen.lookups(rng, 5) + gen.chitchat(rng, 3))
+    tools = default_tools()
+    for q in questions:
+        if q.kind in ("sum", "hard"):
+            assert q.call[0] == "Calculator" and tools["Calculator"].function(q.call[1]) == q.expected, q
+    assert all(q.call == ("Search", q.expected) for q in questions if q.kind == "look-up")
+    taught = teacher_tools(tools, questions)
+    for q in questions:
+        claimed = [(name, tool.claims(q.text)) for name, tool in taught.items() if tool.claims(q.text)]
+        assert claimed == ([q.call] if q.call else []), q
+    assert taught["Calculator"].claims("What is 2 + 2?") is None  # (only the generated questions: no guessing)
+    with pytest.raises(ValueError, match="Weather"):
+        teacher_tools(tools, [gen.Question("Is it raining?", "sum", "no", ("Weather", "here"))])
 
 
 def test_lookups_avoid_held_out_words_and_disjoint_refuses_a_held_out_question():

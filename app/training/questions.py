@@ -14,12 +14,13 @@ from app.tools.search import load_corpus
 
 @dataclass(frozen=True)
 class Question:
-    """One question: its kind ("sum", "hard", "look-up", "chit-chat") and its expected answer: the value for a sum,
-    the headword for a look-up, None for chit-chat."""
+    """One question: its kind ("sum", "hard", "look-up", "chit-chat"), its expected answer (the value for a sum, the
+    headword for a look-up, None for chit-chat) and, where generated, the call a teacher writes for it (tool, query)."""
 
     text: str
     kind: str
     expected: str | None = None
+    call: tuple[str, str] | None = None
 
 
 def _value(expression: str) -> str:
@@ -42,7 +43,7 @@ def plain_sums(rng: random.Random, n: int) -> list[Question]:
             b = str(rng.randint(2, 99))
             a = str(int(b) * rng.randint(2, 300))
         expression = f"{a} {op} {b}"
-        out.append(Question(rng.choice(asks).format(expression), "sum", _value(expression)))
+        out.append(Question(rng.choice(asks).format(expression), "sum", _value(expression), ("Calculator", expression)))
     return out
 
 
@@ -84,14 +85,14 @@ def hard_sums(rng: random.Random, n: int) -> list[Question]:
             text, expression = f"What is {base} to the power of {power}?", f"{base} ** {power}"
         elif kind == 3:
             percent, whole = rng.choice([5, 10, 15, 20, 25, 30, 40, 50, 60, 75, 80]), rng.randint(2, 90) * 20
-            text, expression = f"What is {percent}% of {whole}?", f"{percent} / 100 * {whole}"
+            text, expression = f"What is {percent}% of {whole}?", f"{percent}% of {whole}"
         elif kind == 4:
             root = rng.randint(3, 60)
             text, expression = f"What is the square root of {root * root}?", f"sqrt({root * root})"
         else:
             small, large = rng.randint(1, 400), rng.randint(401, 2000)
             text, expression = f"What is {small} - {large}?", f"{small} - {large}"
-        out.append(Question(text, "hard", _value(expression)))
+        out.append(Question(text, "hard", _value(expression), ("Calculator", expression)))
     return out
 
 
@@ -104,7 +105,7 @@ def lookups(rng: random.Random, n: int, avoid: Iterable[str] = ()) -> list[Quest
     prompt)."""
     banned = {w for text in avoid for w in re.findall(r"[a-z]+", text.lower())}
     words = sorted({title for title, _ in load_corpus() if re.fullmatch(r"[a-z]{4,14}", title)} - banned)
-    return [Question(rng.choice(_LOOKUP_ASKS).format(w), "look-up", w) for w in rng.sample(words, n)]
+    return [Question(rng.choice(_LOOKUP_ASKS).format(w), "look-up", w, ("Search", w)) for w in rng.sample(words, n)]
 
 
 CHITCHAT = ["Hey!", "Hi there.", "Good afternoon!", "How's it going?", "Thanks a lot!", "Who are you?",
