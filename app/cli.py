@@ -118,7 +118,7 @@ def _ask(args) -> int:
 
 def _describe(segment) -> str:
     if segment.kind == "tool":
-        return f"{segment.text}\n  [tool {segment.tools_named or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
+        return f"{segment.text}\n  [tool {segment.tool or '?'}: {segment.query!r} -> {'ok' if segment.ok else 'error'}]"
     guided = f" · {segment.guided_label}" if segment.guided_label else ""
     return (f"\n  [{segment.stop.label} · {count_text(segment.prefill_tokens)} new tokens prefilled, "
             f"{count_text(segment.cached_tokens)} reused · {segment.generated_tokens} generated · {segment.ms:.0f} ms"

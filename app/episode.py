@@ -84,7 +84,6 @@ class Segment(Generation):
     end: int
     tool: str | None = None  # tool segments only: the tool the model called
     query: str | None = None
-    ran: str | None = None  # the tool that answered, where the one called passed the query on (registry.Misrouted)
     ok: bool = True
     result: str | None = None  # tool segments: the tool's output as the model reads it (neutralized, bounded)
     ms: float = 0.0
@@ -126,11 +125,6 @@ class Segment(Generation):
             return []
         return list(self.provenance) if self.provenance is not None else [Provenance.MODEL] * (self.end - self.start)
 
-    @property
-    def tools_named(self) -> str | None:
-        """The tool called, and the one that answered where it passed the query on ("Search → Calculator")."""
-        return self.tool if self.ran is None else f"{self.tool} → {self.ran}"
-
     def to_json(self) -> dict:
         stop = self.stop
         return {
@@ -140,7 +134,6 @@ class Segment(Generation):
             "stop_string": stop.string if stop else None,
             "limit": stop.limit.value if stop and stop.limit else None,
             "tool": self.tool,
-            "ran": self.ran,
             "prefill_tokens": self.prefill_tokens,
             "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,

@@ -231,7 +231,7 @@ def echoes(episode: Episode) -> bool:
 def transcript(episode: Episode) -> str:
     parts = [f"Q: {episode.question}"]
     for s in episode.segments:
-        label = s.stop.label if s.stop else f"tool {s.tools_named}"
+        label = s.stop.label if s.stop else f"tool {s.tool}"
         parts.append(f"  [{s.kind}, {label}] {s.text!r}")
     return "\n".join(parts)
 

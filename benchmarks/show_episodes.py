@@ -35,7 +35,7 @@ def main() -> int:
         print(f"\nQ: {question}")
         for segment in episode.segments:
             if segment.kind == "tool":
-                print(f"  [tool {segment.tools_named}] {segment.result!r}")
+                print(f"  [tool {segment.tool}] {segment.result!r}")
             else:
                 who = Counter(p.value for p in segment.token_provenance())
                 print(f"  [model, {segment.stop.label if segment.stop else '?'}; {dict(who)}] {segment.text!r}")

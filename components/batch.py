@@ -101,7 +101,7 @@ def stops_text(episode: Episode) -> str:
 
 
 def tool_calls_text(episode: Episode) -> str:
-    calls = [f"{s.tools_named}: {s.query}" if s.tool else "malformed" for s in episode.segments if s.kind == "tool"]
+    calls = [f"{s.tool}: {s.query}" if s.tool else "malformed" for s in episode.segments if s.kind == "tool"]
     return "; ".join(calls) or "—"
 
 

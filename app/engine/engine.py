@@ -307,10 +307,10 @@ class Engine:
         cache = session.cache
         with self.backend.lock:
             if isinstance(call, ToolCallError):
-                name, query, text, ok, ran = None, None, f"error: {call}", False, None
+                name, query, text, ok = None, None, f"error: {call}", False
             else:
                 result = run_tool(self.tools, call.name, call.query)
-                name, query, ok, ran, text = call.name, call.query, result.ok, result.ran, result.text
+                name, query, ok, text = call.name, call.query, result.ok, result.text
             # a protocol's error names its markers, and a tool's output may hold them: both in look-alikes, so that
             # an answer copying them (the guide's owed text) never writes a marker or a special token
             text = self.protocol.neutralize(text)
@@ -322,7 +322,7 @@ class Engine:
         cache.extend(ids)
         inserted = self._decode(ids)
         cut = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH) if len(ids) < len(whole) else None  # (shown)
-        segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok, ran=ran,
+        segment = Segment("tool", inserted, start, len(cache), stop=cut, tool=name, query=query, ok=ok,
                           result=text, ms=(time.perf_counter() - began) * 1000)
         episode.segments.append(segment)
         yield SegmentFinished(segment)

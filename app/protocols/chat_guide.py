@@ -33,7 +33,7 @@ def chat_guide(tools: Mapping[str, Tool], syntax: CallSyntax, after: Segment | N
     lines = [f"root ::= {'answer | call' if typed else 'answer'}"]
     owed = None
     if after is not None and after.result is not None:
-        tool = find_tool(tools, after.ran or after.tool or "")
+        tool = find_tool(tools, after.tool or "")
         owed = owed_text(after.result, after.ok, tool.answer if tool is not None else str)
     if owed is None:
         lines.append('answer ::= [^\\n< {[] text')  # (not `{` or `[`: a call's JSON outside its tags)

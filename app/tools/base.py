@@ -15,15 +15,6 @@ class ToolError(Exception):
         self.hint = hint
 
 
-class Misrouted(ToolError):
-    """A query that belongs to another tool (`tool`): run_tool passes it on where the session has that tool, else it is
-    this error. Small models send small sums to Search."""
-
-    def __init__(self, message: str, tool: str):
-        super().__init__(message)
-        self.tool = tool
-
-
 def _as_is(output: str) -> str:
     return output
 
@@ -47,4 +38,3 @@ class Tool:
 class ToolResult:
     text: str
     ok: bool
-    ran: str | None = None  # the tool that answered, where the one called passed the query on (Misrouted)

@@ -6,10 +6,9 @@ one, write `def my_tool(query: str) -> str` (raising `ToolError` for a bad query
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Iterable, Mapping
 
-from app.tools.base import Misrouted, Tool, ToolError, ToolResult
+from app.tools.base import Tool, ToolError, ToolResult
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +57,14 @@ def get_tools(names: Iterable[str] | None = None) -> dict[str, Tool]:
     return selected
 
 
-def run_tool(tools: Mapping[str, Tool], name: str, query: str, *, passed_on: bool = False) -> ToolResult:
-    """Run one tool call; every outcome, including a crash inside the tool, is a ToolResult. A query is passed on
-    (Misrouted) once at most: two tools that pass it to each other end with the second one's error."""
+def run_tool(tools: Mapping[str, Tool], name: str, query: str) -> ToolResult:
+    """Run one tool call; every outcome, including a crash inside the tool, is a ToolResult. A query that belongs
+    to another tool is an error naming it (ToolError.hint), never passed on: the model reads it and chooses."""
     tool = find_tool(tools, name)
     if tool is None:
         return ToolResult(f"unknown tool {name} (available: {', '.join(tools)})", ok=False)
     try:
         text = tool.function(query)
-    except Misrouted as exc:
-        other = find_tool(tools, exc.tool)
-        if other is None or other is tool or passed_on:
-            return ToolResult(f"error: {exc}", ok=False)
-        return replace(run_tool(tools, other.name, query, passed_on=True), ran=other.name)
     except ToolError as exc:
         hint = f"; {exc.hint[1]}" if exc.hint and find_tool(tools, exc.hint[0]) else ""
         return ToolResult(f"error: {exc}{hint}", ok=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from app.paths import ASSETS, cache_dir
-from app.tools.base import Misrouted, ToolError
+from app.tools.base import ToolError
 from app.tools.jargon import opening, redirect_target, shorten
 
 log = logging.getLogger(__name__)
@@ -349,8 +349,8 @@ def search_tool(query: str) -> str:
     if not isinstance(query, str) or not query.strip():
         raise ToolError("empty query: give a word or phrase to look up")
     shown = shorten(" ".join(query.split()), 60)
-    if is_arithmetic(query):  # as the calculator does with words: the message names the tool
-        raise Misrouted(f'"{shown}" is arithmetic, not a word', "Calculator")
+    if is_arithmetic(query):  # as the calculator does with words: the message names the tool for it
+        raise ToolError(f'"{shown}" is arithmetic, not a word', hint=("Calculator", "to calculate it, use Calculator"))
     if not query_terms(query):
         raise ToolError(f'no words to search for in "{shown}"')
     hits = get_backend().search(query, TOOL_RESULTS)

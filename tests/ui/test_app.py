@@ -271,7 +271,7 @@ def test_gradio_client_ask_returns_episode_json(app_url):
                          "segments"}
     assert result["question"] == "What is 41 * 23?" and result["guide"] is True
     assert set(result["cache"]) == {"enabled", "prefill_tokens", "reused_tokens"}
-    segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "ran", "prefill_tokens",
+    segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens",
                     "cached_tokens", "generated_tokens", "ms"}
     assert result["segments"] and all(set(s) == segment_keys | ({"guided"} if s["kind"] == "model" else set())
                                       for s in result["segments"])

@@ -47,7 +47,7 @@ def segment_guide(tools: Mapping[str, Tool], claimed: str | None, after: Segment
     if after is not None:
         output = after.text.removeprefix(CALL)  # (the engine's own <call>, where it closed the request)
         output = output[: output.rfind(RESPONSE)] if RESPONSE in output else output
-        tool = find_tool(tools, after.ran or after.tool or "")
+        tool = find_tool(tools, after.tool or "")
         owed = owed_text(output, after.ok, tool.answer if tool is not None else str)
     limits = {name: tool.max_query for name, tool in tools.items()}
     return build_guide(limits, owed, calls=calls, after_tool=after is not None)
