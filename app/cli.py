@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--no-cache", action="store_true", help="recompute everything for every segment")
     ask.add_argument("--guide", action=argparse.BooleanOptionalAction, default=Settings.guide,
                      help="guided answers: a grammar per segment keeps it to the protocol and opens the answer with "
-                          "the tool's result; --no-guide lets the model write alone (default: on)")
+                          "the tool's result; --no-guide lets the model write alone (default: off)")
     ask.add_argument("--max-length", type=int, help=f"token budget of the session (default: {DEFAULT_MAX_LENGTH}, "
                                                     "or the backend's context where that is shorter)")
     ask.add_argument("--max-new-tokens", type=int, default=Settings.max_new_tokens, help="tokens per segment")

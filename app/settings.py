@@ -38,7 +38,7 @@ class Settings:
     use_cache: bool = True
     seed: int = 0
     draft_tokens: int = 0  # greedy only: tokens proposed by prompt lookup and verified in one pass (0 = off)
-    guide: bool = True  # guided answers (app.decoding.guide): a grammar per segment, every token it decides shown as such
+    guide: bool = False  # guided answers (app.decoding.guide): a grammar per segment, every token it decides shown as such
     protocol: str | None = None  # one of PROTOCOLS; None: default_protocol() (chosen by validated())
     logprobs: bool = False  # record each model token's log-probability (Segment.logprobs; a trainer's rollouts)
 

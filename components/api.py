@@ -39,7 +39,7 @@ class Api:
     def ask(self, question: str, settings: dict | None = None) -> dict:
         """Answer one question in a fresh session and return its episode (same schema as the CLI's JSON).
         `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
-        temperature, top_p, top_k, use_cache, seed, draft_tokens, guide (guided answers: true, the default, or false),
+        temperature, top_p, top_k, use_cache, seed, draft_tokens, guide (guided answers: true, or false, the default),
         protocol (auto, the default, textenv or chat),
         tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions})."""
         try:
@@ -64,7 +64,7 @@ class Api:
     def chat(self, message: str, settings: dict | None = None, request: gr.Request = None) -> Iterator[str]:
         """Continue this API client's chat (one per client session); yields the growing text of the turn.
         `settings`, optional, is a JSON object of any of max_new_tokens, max_length, max_turns, max_tool_response,
-        temperature, top_p, top_k, use_cache, seed, draft_tokens, guide (guided answers: true, the default, or false),
+        temperature, top_p, top_k, use_cache, seed, draft_tokens, guide (guided answers: true, or false, the default),
         protocol (auto, the default, textenv or chat),
         tools (a list of names) and prompt (a template with {tools}, {abilities}, {actions}). A change of tools or
         prompt starts a new chat."""

@@ -46,7 +46,7 @@ def max_length_for(context_limit: int) -> int:
 def make_settings(use_cache, max_length, max_new_tokens, max_turns, temperature, seed=0, guide=None,
                   protocol=None) -> Settings:
     """Settings from the page's controls: a new frozen value per turn; empty or non-numeric fields are errors.
-    `guide`: the Guided answers checkbox (None: the default, on); `protocol`: the Protocol selector (one of
+    `guide`: the Guided answers checkbox (None: the default, off); `protocol`: the Protocol selector (one of
     PROTOCOLS; None: the default, app.settings.default_protocol). A max_length left at the page's default is not
     given (None): the page shows that value before it knows the backend, which may hold fewer tokens."""
     def number(name, value, kind):

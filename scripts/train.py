@@ -1,14 +1,14 @@
 """Teach the bundled model to do its own work in the chat protocol, on CPU, as a LoRA adapter:
 
     stage 1  the guide teaches: supervised fine-tuning on this engine's own guided episodes (sums, look-ups,
-             chit-chat), the guide told each generated question's call (app.training.teacher), graded first so
-             only right episodes are taught (app.training.sft)
+             chit-chat) in both protocols, the guide told each generated question's call
+             (app.training.teacher), graded first so only right episodes are taught (app.training.sft)
     stage 2  GRPO through TRL's GRPOTrainer with this engine's rollouts (EngineRollout, guide off), aimed at what
              stage 1 leaves: word problems, several operations, powers, percents, negative results, exact operands
 A dev set (the benchmark's dev questions and a hard split of generated ones) is evaluated unguided every
 --eval-every steps: the eval curve. Questions are generated (app.training.questions) and never a test or dev one.
 
-    python3 scripts/train.py                      # both stages, the defaults (~45 min on 2 cores)
+    python3 scripts/train.py                      # both stages, the defaults (~55 min on 2 cores)
     python3 scripts/train.py --out runs/train --adapter-out assets/adapter     # ... and ship the adapter
 """
 
@@ -42,7 +42,8 @@ from app.training.teacher import teacher_tools  # noqa: E402
 from app.training.weights import sync  # noqa: E402
 from benchmarks.answer_quality import ARITHMETIC, CHITCHAT, LOOKUPS  # noqa: E402
 
-PROTOCOL = "chat"
+PROTOCOL = "chat"  # the protocol the adapter is for: stage 2 and the eval curve
+TAUGHT = ("chat", "textenv")  # stage 1 teaches both: the adapter answers textenv too (its floors hold)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -89,7 +90,7 @@ class Run:
         torch.set_num_threads(model_threads())
         torch.manual_seed(args.seed)
         self.args, self.began = args, time.perf_counter()
-        self.loaded = load_model(weights="float32")
+        self.loaded = load_model(weights="float32", adapter=False)  # (the base: ADAPTER has the shipped one)
         self.backend = LocalBackend(self.loaded)
         base = plain_copy(self.loaded.model).train()
         base.set_attn_implementation("sdpa")
@@ -127,27 +128,41 @@ class Run:
         return row
 
     def report(self, stage: str) -> None:
-        """The hard test split (never trained on, never in the curve) after a stage: stage 2's part apart from 1's."""
+        """After a stage: the hard test split (never trained on, never in the curve), stage 2's part apart from 1's;
+        and the dev set in textenv, the other protocol the adapter answers in."""
         self.sync()
         [score], _ = evaluate(self.engine, hard_split(self.args.seed, "test"), Settings(max_new_tokens=64))
         self.log.setdefault("hard_test", {})[stage] = score.to_json()
         print(f"hard test split after {stage}: tool {score.tool}/{score.n}, right {score.right}/{score.n}", flush=True)
+        scores, _ = evaluate(Engine(self.backend, protocol="textenv"), self.dev, Settings(max_new_tokens=64))
+        self.log.setdefault("textenv_dev", {})[stage] = [s.to_json() for s in scores]
+        print(f"textenv dev set after {stage}: " + ", ".join(f"{s.kind} tool {s.tool}/{s.n} right {s.right}/{s.n}"
+                                                            for s in scores), flush=True)
 
     def save(self) -> None:
         (self.args.out / "log.json").write_text(json.dumps(self.log, indent=1))
 
 
-def teacher_examples(run: Run, questions: list[Question]) -> list:
-    """The guide's episodes for `questions`, the guide told each one's call (app.training.teacher), graded: only
-    those that answered right with the right tool teach."""
-    teacher = Engine(run.backend, tools=teacher_tools(run.engine.tools, questions), protocol=PROTOCOL)
+def teacher_examples(run: Run, questions: list[Question], protocol: str) -> tuple[list[int], list]:
+    """The protocol's system prompt ids and the guide's episodes for `questions` in it, the guide told each one's
+    call (app.training.teacher), graded: only those that answered right with the right tool teach."""
+    began = time.perf_counter()
+    teacher = Engine(run.backend, tools=teacher_tools(run.engine.tools, questions), protocol=protocol)
     episodes = teacher.run([q.text for q in questions], Settings(max_new_tokens=64), guide=True)
     kept = [e for q, e in zip(questions, episodes) if right(q, e) and named_right_tool(q, e)]
     by_kind = {k: sum(1 for q, e in zip(questions, episodes) if q.kind == k and e in kept)
                for k in dict.fromkeys(q.kind for q in questions)}
-    print(f"teacher: {len(kept)} of {len(questions)} guided episodes right, by kind {by_kind}", flush=True)
-    run.log["teacher"] = {"questions": len(questions), "kept": len(kept), "by_kind": by_kind}
-    return [example(e) for e in kept]
+    print(f"teacher ({protocol}): {len(kept)} of {len(questions)} guided episodes right, by kind {by_kind}",
+          flush=True)
+    run.log.setdefault("teacher", {})[protocol] = {"questions": len(questions), "kept": len(kept), "by_kind": by_kind,
+                                                   "seconds": round(time.perf_counter() - began, 1)}
+    session = teacher.new_session()
+    return list(session.cache.ids)[: session.prompt_tokens], [example(e) for e in kept]
+
+
+def plan(steps: int, share: float) -> list[str]:
+    """Which protocol each of stage 1's steps teaches: textenv on `share` of them, spread evenly."""
+    return ["textenv" if int((i + 1) * share) > int(i * share) else PROTOCOL for i in range(steps)]
 
 
 def stage_sft(run: Run) -> None:
@@ -157,19 +172,17 @@ def stage_sft(run: Run) -> None:
                             + gen.lookups(rng, args.sft_lookups, avoid=held_out()) + gen.chitchat(rng, len(gen.CHITCHAT)),
                             never_trained(args.seed))
     gen.disjoint(questions, never_trained(args.seed))
-    began = time.perf_counter()
-    examples = teacher_examples(run, questions)
-    run.log["teacher"]["seconds"] = round(time.perf_counter() - began, 1)
-    session = run.engine.new_session()
-    prompt = list(session.cache.ids)[: session.prompt_tokens]
-    sft = SharedPrefixSFT(run.policy, prompt, args.sft_lr, run.loaded.tokenizer.eos_token_id)
+    taught = {protocol: teacher_examples(run, questions, protocol) for protocol in TAUGHT}
+    sft = SharedPrefixSFT(run.policy, taught[PROTOCOL][0], args.sft_lr, run.loaded.tokenizer.eos_token_id)
+    streams = {protocol: batches(examples, args.sft_batch, args.seed) for protocol, (_, examples) in taught.items()}
     from tqdm import tqdm
 
-    for step, batch in zip(tqdm(range(1, args.sft_steps + 1), desc="stage 1 (SFT)"), batches(examples, args.sft_batch,
-                                                                                           args.seed)):
+    for step, protocol in zip(tqdm(range(1, args.sft_steps + 1), desc="stage 1 (SFT)"),
+                              plan(args.sft_steps, args.sft_textenv_share)):
         began = time.perf_counter()
-        loss = sft.step(batch)
-        run.log["sft"].append({"step": step, "loss": loss, "seconds": round(time.perf_counter() - began, 2)})
+        loss = sft.step(next(streams[protocol]), taught[protocol][0])
+        run.log["sft"].append({"step": step, "protocol": protocol, "loss": loss,
+                               "seconds": round(time.perf_counter() - began, 2)})
         if step % args.eval_every == 0 or step == args.sft_steps:
             run.evaluate("sft", step)
             run.save()
@@ -199,8 +212,8 @@ def stage_grpo(run: Run) -> None:
 
     args = run.args
     rng = random.Random(args.seed + 1)
-    pool = gen.without(gen.hard_sums(rng, args.grpo_pool * 2 // 3) + gen.plain_sums(rng, args.grpo_pool // 6)
-                       + gen.lookups(rng, args.grpo_pool // 12, held_out()) + gen.chitchat(rng, args.grpo_pool // 12),
+    pool = gen.without(gen.hard_sums(rng, args.grpo_pool // 2) + gen.plain_sums(rng, args.grpo_pool // 8)
+                       + gen.lookups(rng, args.grpo_pool // 4, held_out()) + gen.chitchat(rng, args.grpo_pool // 8),
                        never_trained(args.seed))
     gen.disjoint(pool, never_trained(args.seed))
     began = time.perf_counter()
@@ -234,7 +247,7 @@ def stage_grpo(run: Run) -> None:
                       f"{row['frac_reward_zero_std']}, rollouts {row['rollout_s']} s", flush=True)
 
         def on_step_end(self, _args, state, _control, **_):
-            if state.global_step % args.eval_every == 0 or state.global_step == args.grpo_steps:
+            if state.global_step % args.grpo_eval_every == 0 or state.global_step == args.grpo_steps:
                 run.backend = rollout.backend
                 run.evaluate("grpo", state.global_step)
                 run.save()
@@ -263,13 +276,15 @@ def ship(run: Run, folder: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sft-steps", type=int, default=50)
+    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--sft-textenv-share", type=float, default=1 / 3,
+                        help="the share of stage 1's steps on textenv episodes (the rest: chat)")
     parser.add_argument("--sft-batch", type=int, default=8)
     parser.add_argument("--sft-lr", type=float, default=5e-4)
     parser.add_argument("--sft-sums", type=int, default=64)
     parser.add_argument("--sft-hard", type=int, default=64)
     parser.add_argument("--sft-lookups", type=int, default=80)
-    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--grpo-steps", type=int, default=16)
     parser.add_argument("--questions-per-step", type=int, default=2)
     parser.add_argument("--grpo-pool", type=int, default=192, help="generated questions stage 2 is aimed from")
     parser.add_argument("--generations", type=int, default=4)
@@ -277,6 +292,7 @@ def main() -> int:
     parser.add_argument("--grpo-lr", type=float, default=3e-4)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--grpo-eval-every", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-adapter", type=Path, default=None,
                         help="start from this saved adapter (e.g. runs/train/adapter-sft with --sft-steps 0)")

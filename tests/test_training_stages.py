@@ -75,16 +75,17 @@ def test_batches_cycle_through_every_example():
     assert sorted(seen[:5]) == [0, 1, 2, 3, 4] and len(seen) == 10
 
 
-def test_the_shared_prefix_loss_is_the_whole_sequences(tiny_llama):
-    """The prompt's keys/values computed once without gradient give the loss a full forward pass gives."""
+@pytest.mark.parametrize("prompt, given", [([1, 7, 8, 9, 10], None), ([1, 5, 6], [1, 5, 6])])
+def test_the_shared_prefix_loss_is_the_whole_sequences(tiny_llama, prompt, given):
+    """The prompt's keys/values computed once without gradient give the loss a full forward pass gives; a batch
+    may name another prompt (the other protocol's) than the one the trainer started with."""
     from app.model.float32 import plain_copy
 
     model = plain_copy(tiny_llama.model).eval().requires_grad_(True)
-    prompt = [1, 7, 8, 9, 10]
     batch = [example(_episode()), gen_example([3, 4, 5, 6], [IGNORE, 4, 5, 6])]
-    sft = SharedPrefixSFT(model, prompt, 1e-3, pad_id=2)
+    sft = SharedPrefixSFT(model, [1, 7, 8, 9, 10], 1e-3, pad_id=2)
     with torch.no_grad():
-        shared = sft.loss(batch)
+        shared = sft.loss(batch, given)
         losses, counts = [], []
         for ex in batch:
             logits = model(input_ids=torch.tensor([prompt + ex.ids])).logits[0, len(prompt):]

@@ -199,12 +199,13 @@ def weight_format() -> str:
 
 
 def adapter_choice(bundled: bool) -> Path | None:
-    """The adapter to merge at load, from ADAPTER: unset or "off", none (the base model); "on", the shipped one
-    (assets/adapter), for the bundled model only; a folder, that one."""
+    """The adapter to merge at load, from ADAPTER: unset, the shipped one (assets/adapter) for the bundled model and
+    none for a MODEL_ID model; "off", none (the base model); "on", the shipped one, for the bundled model only; a
+    folder, that one."""
     value = os.environ.get("ADAPTER", "").strip()
-    if value.lower() in ("", "off", "base", "none", "0"):
+    if value.lower() in ("off", "base", "none", "0") or (not value and not bundled):
         return None
-    if value.lower() in ("on", "1", "bundled"):
+    if value.lower() in ("", "on", "1", "bundled"):
         if not bundled:
             raise ModelUnavailable("ADAPTER=on merges the shipped adapter, trained on the bundled model, which "
                                    "MODEL_ID replaces: unset one of them, or set ADAPTER to a folder")
@@ -287,8 +288,10 @@ def load_tokenizer():
     return tokenizer
 
 
-def load_model(model_id: str | None = None, gguf_file: str | None = None, weights: str | None = None) -> LoadedModel:
-    """Load the configured model (environment) or the one named here, in the configured weight format."""
+def load_model(model_id: str | None = None, gguf_file: str | None = None, weights: str | None = None,
+               adapter: bool = True) -> LoadedModel:
+    """Load the configured model (environment) or the one named here, in the configured weight format. `adapter`:
+    False loads the base weights whatever ADAPTER says (training starts from them)."""
     weights = weights or weight_format()
     fallback, bundled = False, False
     if model_id is None:
@@ -311,4 +314,4 @@ def load_model(model_id: str | None = None, gguf_file: str | None = None, weight
         log.info("%s runs on the fast path: %s", name, describe(model.config))
     if weights == "int8" and not supports(model):
         weights = "float32"
-    return wrap(model, tokenizer, name, weights, folder, adapter_choice(bundled))
+    return wrap(model, tokenizer, name, weights, folder, adapter_choice(bundled) if adapter else None)

@@ -1,6 +1,6 @@
 """Supervised fine-tuning on this engine's own guided episodes: the loss is on the tokens the model and the guide
-wrote after the question (not the question, not tool output), and every example follows the same system prompt,
-whose keys and values are computed once a step without gradient and shared by the batch."""
+wrote after the question (not the question, not tool output), and every example of a batch follows the same system
+prompt, whose keys and values are computed once a step without gradient and shared by the batch."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def batches(examples: list[Example], size: int, seed: int = 0) -> Iterator[list[
 
 
 class SharedPrefixSFT:
-    """Optimizer steps of a causal LM on examples that all follow `prompt_ids`. TRL's SFTTrainer would run the
-    whole prompt through the forward and backward pass for every example; here it runs once a step, without
-    gradient (docs/training.md measures both)."""
+    """Optimizer steps of a causal LM on batches whose examples all follow one prompt: `prompt_ids`, or the one a
+    step names (another protocol's). TRL's SFTTrainer would run the whole prompt through the forward and backward
+    pass for every example; here it runs once a step, without gradient (docs/training.md measures both)."""
 
     def __init__(self, model: torch.nn.Module, prompt_ids: list[int], learning_rate: float, pad_id: int,
                  max_grad_norm: float = 1.0):
@@ -57,24 +57,25 @@ class SharedPrefixSFT:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, weight_decay=0.0)
 
-    def loss(self, batch: list[Example]) -> torch.Tensor:
+    def loss(self, batch: list[Example], prompt_ids: list[int] | None = None) -> torch.Tensor:
         """Mean cross-entropy over the batch's labelled tokens, each example after the shared prompt."""
+        prompt = self.prompt if prompt_ids is None else torch.tensor([prompt_ids])
         with torch.no_grad():
-            cache = self.model(input_ids=self.prompt, use_cache=True).cache
+            cache = self.model(input_ids=prompt, use_cache=True).cache
         cache.batch_repeat_interleave(len(batch))
         width = max(len(e.ids) for e in batch)
         ids = torch.tensor([e.ids + [self.pad_id] * (width - len(e.ids)) for e in batch])
         labels = torch.tensor([e.labels + [IGNORE] * (width - len(e.labels)) for e in batch])
         real = torch.tensor([[1] * len(e.ids) + [0] * (width - len(e.ids)) for e in batch])
-        mask = torch.cat([torch.ones(len(batch), self.prompt.shape[1], dtype=torch.long), real], dim=1)
+        mask = torch.cat([torch.ones(len(batch), prompt.shape[1], dtype=torch.long), real], dim=1)
         logits = self.model(input_ids=ids, cache=cache, attention_mask=mask).logits
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                ignore_index=IGNORE)
 
-    def step(self, batch: list[Example]) -> float:
-        """One optimizer step on the batch; its loss."""
+    def step(self, batch: list[Example], prompt_ids: list[int] | None = None) -> float:
+        """One optimizer step on the batch (after `prompt_ids`, else the prompt given at the start); its loss."""
         self.model.train()
-        loss = self.loss(batch)
+        loss = self.loss(batch, prompt_ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
