@@ -90,6 +90,8 @@ class Run:
         torch.set_num_threads(model_threads())
         torch.manual_seed(args.seed)
         self.args, self.began = args, time.perf_counter()
+        self.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip()  # (the code that trains: a run takes most of an hour)
         self.loaded = load_model(weights="float32", adapter=False)  # (the base: ADAPTER has the shipped one)
         self.backend = LocalBackend(self.loaded)
         base = plain_copy(self.loaded.model).train()
@@ -269,9 +271,8 @@ def ship(run: Run, folder: Path) -> None:
 
     weights = folder / "adapter_model.safetensors"
     save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     (folder / TRAINED_FILE).write_text(json.dumps({"command": " ".join(["python3 scripts/train.py", *sys.argv[1:]]),
-                                                   "commit": commit, "protocol": PROTOCOL}, indent=1) + "\n")
+                                                   "commit": run.commit, "protocol": PROTOCOL}, indent=1) + "\n")
 
 
 def main() -> int:
