@@ -259,20 +259,24 @@ def stage_grpo(run: Run) -> None:
     trainer.train()
 
 
-def ship(run: Run, folder: Path) -> None:
-    """The adapter in float16 (half the bytes; merged at load into float32) with the command and commit beside it."""
-    import torch
-
+def ship(run: Run, folder: Path, stage: str) -> None:
+    """The policy's adapter after `stage`, in the shipped form (`shippable`)."""
     run.policy.save_pretrained(str(folder))
+    shippable(folder, " ".join(["python3 scripts/train.py", *sys.argv[1:]]), stage, run.commit)
+
+
+def shippable(folder: Path, command: str, stage: str, commit: str) -> None:
+    """A saved peft adapter as assets/adapter holds it: float16 weights (half the bytes; merged at load into
+    float32), the hub id as its base, and what trained it (TRAINED_FILE)."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     config = json.loads((folder / "adapter_config.json").read_text())  # (the hub id, not this machine's cache path)
     (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": HUB_MODEL_ID}, indent=2))
-
     weights = folder / "adapter_model.safetensors"
     save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights)
-    (folder / TRAINED_FILE).write_text(json.dumps({"command": " ".join(["python3 scripts/train.py", *sys.argv[1:]]),
-                                                   "commit": run.commit, "protocol": PROTOCOL}, indent=1) + "\n")
+    (folder / TRAINED_FILE).write_text(json.dumps({"command": command, "stage": stage, "commit": commit,
+                                                   "protocol": PROTOCOL}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -307,13 +311,13 @@ def main() -> int:
     if args.sft_steps:
         stage_sft(run)
         run.report("sft")
-        run.policy.save_pretrained(str(args.out / "adapter-sft"))
+        ship(run, args.out / "adapter-sft", "1 (SFT)")
     if args.grpo_steps:
         stage_grpo(run)
         run.report("grpo")
-    ship(run, args.out / "adapter")
+    ship(run, args.out / "adapter", "2 (GRPO)" if args.grpo_steps else "1 (SFT)")
     if args.adapter_out:
-        ship(run, args.adapter_out)
+        ship(run, args.adapter_out, "2 (GRPO)" if args.grpo_steps else "1 (SFT)")
     run.log["seconds"] = round(run.seconds())
     run.save()
     from training_plots import plot

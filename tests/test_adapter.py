@@ -61,7 +61,8 @@ def test_an_adapter_of_another_kind_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("value, bundled, expected", [
-    ("", True, None), ("off", True, None), ("on", True, BUNDLED_ADAPTER), ("ON", True, BUNDLED_ADAPTER)])
+    ("", True, BUNDLED_ADAPTER), ("off", True, None), ("on", True, BUNDLED_ADAPTER), ("ON", True, BUNDLED_ADAPTER),
+    ("", False, None), ("off", False, None)])
 def test_adapter_choice(monkeypatch, value, bundled, expected):
     monkeypatch.setenv("ADAPTER", value)
     assert adapter_choice(bundled) == expected

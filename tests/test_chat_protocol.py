@@ -184,7 +184,7 @@ def test_a_list_of_calls_runs_each_in_order_as_its_own_tool_segment(tiny_llama, 
 def test_with_the_guide_on_the_model_cannot_name_a_tool_the_session_lacks(tiny_llama):
     """The writer tries `joke`; the grammar allows only the session's tools (or an answer)."""
     engine = chat_engine(tiny_llama, '<tool_call>[{"name": "joke", "arguments": {}}]</tool_call>', "Ok<|im_end|>")
-    episode = engine.ask(engine.new_session(), "Tell me a joke.", Settings(max_new_tokens=48, max_turns=1))
+    episode = engine.ask(engine.new_session(), "Tell me a joke.", Settings(guide=True, max_new_tokens=48, max_turns=1))
     first = episode.segments[0]
     assert "joke" not in first.text
     assert first.steered_tokens > 0 or first.forced_tokens > 0
@@ -196,7 +196,7 @@ def test_with_the_guide_on_the_model_cannot_name_a_tool_the_session_lacks(tiny_l
 def test_a_claimed_call_is_written_in_the_protocol_s_format(tiny_llama):
     engine = chat_engine(tiny_llama, "Result = 943<|im_end|>")
     assert engine.claimed_call("What is 41 * 23?") == CALL
-    episode = engine.ask(engine.new_session(), "What is 41 * 23?", Settings(max_new_tokens=64))
+    episode = engine.ask(engine.new_session(), "What is 41 * 23?", Settings(guide=True, max_new_tokens=64))
     assert episode.segments[0].text == CALL and episode.segments[0].forced_tokens > 0
     assert episode.segments[1].result == "943" and episode.answer.startswith("Result = 943")
 

@@ -32,7 +32,7 @@ def test_ask_json_schema_for_a_batch_with_a_calculator_call():
     calc = lines[0]
     assert set(calc) == {"question", "answer", "backend", "protocol", "total_tokens", "cache", "guide",
                          "segments"}
-    assert calc["guide"] is True  # (guided answers: on by default)
+    assert calc["guide"] is False  # (guided answers: off by default, the model's own work)
     assert calc["backend"].startswith("in-process (")  # which backend answered (a model server names itself)
     assert calc["cache"]["enabled"] is True and calc["cache"]["reused_tokens"] > calc["cache"]["prefill_tokens"]
     assert "943" in calc["answer"]
@@ -43,8 +43,9 @@ def test_ask_json_schema_for_a_batch_with_a_calculator_call():
             assert segment["stop_reason"] in {"string_match", "eos", "max_length"}
         else:
             assert segment["stop_reason"] is None and segment["tool"] == "Calculator"
-    assert calc["segments"][0]["stop_string"] == "<call>"
-    assert calc["segments"][1]["text"] == "943<response>"
+    assert calc["protocol"] == "chat"  # (auto: the shipped adapter was tuned for chat)
+    assert calc["segments"][0]["stop_string"] == "</tool_call>"
+    assert calc["segments"][1]["text"].startswith("<|im_end|>\n<|im_start|>tool\n943<|im_end|>")
 
 
 def test_ask_no_cache_and_tiny_budgets():
@@ -147,7 +148,8 @@ def test_custom_prompt_and_tool_subset_are_used_as_given(tmp_path, tokenizer):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(template, encoding="utf-8")
     # (the guide off: with it the Calculator claims the question, and the engine writes the call, prefilling nothing)
-    out = cli("ask", "What is 41 * 23?", "--json", "--prompt", str(prompt), "--tools", "calculator", "--no-guide")
+    out = cli("ask", "What is 41 * 23?", "--json", "--prompt", str(prompt), "--tools", "calculator", "--no-guide",
+              "--protocol", "textenv")  # (a textenv prompt: auto is chat for the bundled model and its adapter)
     assert out.returncode == 0, out.stderr
     (result,) = [json.loads(line) for line in out.stdout.splitlines()]
     rendered = render_prompt(template, get_tools(["Calculator"]))  # the prompt with only the calculator listed

@@ -191,7 +191,7 @@ def test_a_sum_in_the_question_is_the_calculators_query(tiny_llama, tokenizer, w
     answered "Result = 4 - 6" with no call. A sum the question writes in symbols is the Calculator's query,
     whatever the model would write: its tokens are held to spelling the call (app.answer_line)."""
     engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, wanted))), tools=default_tools(), prompt=PROMPT)
-    episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(max_new_tokens=24, max_turns=1))
+    episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(guide=True, max_new_tokens=24, max_turns=1))
     call, output = episode.segments[:2]
     assert (call.text, call.stop.label) == ("<request><Calculator>2 + 2 * 3<call>", "string match <call>")
     assert (output.tool, output.text) == ("Calculator", "8<response>")
@@ -208,9 +208,9 @@ def test_a_sum_is_left_to_the_model_where_no_tool_claims_it_or_no_call_may_run(t
         assert episode.segments[0].text == "Result = 4<submit>" and not episode.unrun_call
 
 
-@pytest.mark.parametrize("settings", [Settings(max_new_tokens=24, max_turns=1, use_cache=False),
-                                      Settings(max_new_tokens=24, max_turns=1, draft_tokens=0),
-                                      Settings(max_new_tokens=24, max_turns=1, temperature=0.8, seed=3)])
+@pytest.mark.parametrize("settings", [Settings(guide=True, max_new_tokens=24, max_turns=1, use_cache=False),
+                                      Settings(guide=True, max_new_tokens=24, max_turns=1, draft_tokens=0),
+                                      Settings(guide=True, max_new_tokens=24, max_turns=1, temperature=0.8, seed=3)])
 def test_a_claimed_call_is_the_same_with_cache_off_drafts_off_sampling_and_in_a_batch(tiny_llama, settings):
     """Each batch row is the solo run of its question with the seed the batch gives that row (Engine.stream_batch:
     settings.seed + row), token for token, sampling included; the claimed call opens both."""
@@ -235,10 +235,10 @@ def test_a_claimed_call_that_would_be_cut_is_left_to_the_model(tiny_llama, token
     engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "Result = 8<submit>"))), prompt=PROMPT)
     call = engine.claimed_call("What is 2 + 2 * 3?")
     length = len(encode(tokenizer, call))
-    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(max_new_tokens=length + 1)) == call
-    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(max_new_tokens=length)) is None
-    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(), room=length) is None
-    episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(max_new_tokens=length))
+    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(guide=True, max_new_tokens=length + 1)) == call
+    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(guide=True, max_new_tokens=length)) is None
+    assert engine.claimed_call("What is 2 + 2 * 3?", Settings(guide=True), room=length) is None
+    episode = engine.ask(prime(engine), "What is 2 + 2 * 3?", Settings(guide=True, max_new_tokens=length))
     assert episode.segments[0].text == "Result = 8<submit>"
 
 
@@ -247,7 +247,7 @@ def test_a_question_about_a_headword_is_looked_up(tiny_llama, tokenizer):
     went to the Calculator: the meaning of a Jargon File headword is the Search tool's (Tool.claims)."""
     engine = Engine(forced(tiny_llama, plan_text(tokenizer, (0, "<request><Calculator>toaster<call>"))),
                     prompt=PROMPT)
-    episode = engine.ask(prime(engine), "Define toaster.", Settings(max_new_tokens=24, max_turns=1))
+    episode = engine.ask(prime(engine), "Define toaster.", Settings(guide=True, max_new_tokens=24, max_turns=1))
     call, output = episode.segments[:2]
     assert (call.text, call.stop.label) == ("<request><Search>toaster<call>", "string match <call>")
     assert output.tool == "Search" and output.text.startswith("toaster: ")

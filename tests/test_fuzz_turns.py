@@ -169,7 +169,7 @@ def test_forced_tokens_are_the_guide_s_and_never_a_special_marker(tiny_markers):
     token is text.)"""
     model = writing(tiny_markers, "Result = 4<|im_end|>", marker=MARKER["chat"], specials=True)
     engine = Engine(model, tools=echoing_tools(), prompt=PROMPT, protocol="chat")
-    episode = engine.ask(engine.new_session(), "What is 2 + 2?", Settings(max_new_tokens=48))
+    episode = engine.ask(engine.new_session(), "What is 2 + 2?", Settings(guide=True, max_new_tokens=48))
     specials = set(tiny_markers.tokenizer.all_special_ids)
     for segment in episode.model_segments:
         ids = episode.token_ids[segment.start - episode.query_start: segment.end - episode.query_start]

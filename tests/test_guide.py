@@ -112,9 +112,10 @@ def test_what_an_answer_copies_from_a_tools_output(output, ok, owed):
 
 
 def guided_turn(tiny_llama, *pieces: str, question: str = "go", **settings):
+    """A turn whose model writes `pieces`, with the guide on unless `settings` say otherwise."""
     engine = Engine(writing(tiny_llama, *pieces), tools=default_tools(), prompt=PROMPT)
     session = prime(engine)
-    episode = engine.ask(session, question, Settings(max_new_tokens=40, **settings))
+    episode = engine.ask(session, question, Settings(max_new_tokens=40, **{"guide": True, **settings}))
     if session.cache.cached == len(session.cache):  # (a stop on a verified draft: its keys/values were computed)
         session.cache.truncate(len(session.cache) - 1)
         session.cache.extend(episode.token_ids[-1:])

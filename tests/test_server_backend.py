@@ -25,6 +25,8 @@ import gradio as gr
 import pytest
 
 from app.backends.base import BackendError
+from app.model.adapter import GGUF_FILE
+from app.model.loading import adapter_choice
 from tests.support.llama_server import LlamaServer, free_port
 from app.backends.server import ServerBackend
 from app.backends.server_client import ModelServer
@@ -104,7 +106,9 @@ def assert_stop_recorded(backend, session, segment, settings: Settings) -> None:
 @llama_only
 def test_detects_llama_cpp_and_its_context(backend, server_url):
     assert backend.dialect.kind == "llama.cpp"
-    assert backend.name == f"llama.cpp server {server_url}"
+    # (the server applies the adapter the in-process backend merges, by default the shipped one: --lora)
+    served = f" + adapter {GGUF_FILE} ×1.0" if adapter_choice(bundled=True) is not None else ""
+    assert backend.name == f"llama.cpp server {server_url}{served}"
     assert backend.context_limit == 4096  # -c 16384 shared by -np 4 slots
 
 
@@ -305,11 +309,11 @@ def test_defaults_fit_slots_of_2048_tokens_and_a_longer_max_length_is_still_refu
         assert caught.value.message == "max_length must be between 1 and 2048"
 
 
-def page_chat(page, message: str, tools=("Calculator", "Search")) -> list:
+def page_chat(page, message: str, tools=("Calculator", "Search"), guide: bool | None = None) -> list:
     """Every update of one turn sent from the page's Chat tab (as the visitor page-1), on the page's settings."""
     visitor = types.SimpleNamespace(session_hash="page-1")
     submitted = {"message": message, "ticket": None, "sent": None}
-    settings = page_settings(max_new_tokens=48, tools=tools, prompt=service_prompt())
+    settings = page_settings(max_new_tokens=48, tools=tools, prompt=service_prompt(), guide=guide)
     return list(page.chat.turn(submitted, settings, visitor))
 
 
@@ -442,20 +446,20 @@ def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_t
         assert episode.error is None and episode.segments[1].text.startswith("108")
 
         page = new_page(lambda: backend, budget_bytes=1 << 30)
-        outputs = page_chat(page, "What is 41 * 23?")
+        outputs = page_chat(page, "What is 41 * 23?", guide=True)
         assert outputs[-1].status == f"error: {expected}"
         with pytest.raises(gr.Error, match="rejected the guide's grammar") as caught:
-            page.api.ask("What is 12 * 9?")
+            page.api.ask("What is 12 * 9?", {"guide": True})
         assert expected in str(caught.value)
         assert "error" not in page.api.ask("What is 12 * 9?", {"guide": False})
 
         env = {**os.environ, "MODEL_SERVER_URL": url}
-        done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?", "--max-length", "4096"],
+        done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?", "--max-length", "4096", "--guide"],
                               capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 1 and f"[error: {expected}]" in done.stdout, (done.stdout, done.stderr)
 
         broken.clear()  # the page's session goes on: its next guided turn is answered
-        outputs = page_chat(page, "What is 41 * 23?")
+        outputs = page_chat(page, "What is 41 * 23?", guide=True)
         assert outputs[-1].status == "done · protocol textenv"
         assert page.service.store.get("page-1").session.episodes[-1].answer.startswith("Result = 943")
         httpd.shutdown()

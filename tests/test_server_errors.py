@@ -106,7 +106,7 @@ def test_bad_urls_and_error_bodies():
 # ---- the guide's grammar (app.decoding.guide) -----------------------------------------------------------------------------
 GRAMMAR_400 = (b'{"error": {"code": 400, "message": "Failed to initialize samplers: failed to parse grammar", '
                b'"type": "invalid_request_error"}}')  # llama.cpp's own answer (../shared/notes/stack-facts.md)
-ONE_LINE = Settings(max_new_tokens=16, max_turns=0)  # one segment: the answer line
+ONE_LINE = Settings(max_new_tokens=16, max_turns=0, guide=True)  # one guided segment: the answer line
 
 
 def llama_stream(tokenizer, text: str, stop: str) -> bytes:

@@ -93,7 +93,7 @@ def test_a_guided_segment_rebuilt_from_its_text_has_the_provenance_of_its_rebuil
     with httpd:
         engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096))
         session = engine.new_session(use_cache=False)
-        segment = engine.ask(session, "Say é!", Settings(max_new_tokens=16, max_turns=0)).segments[0]
+        segment = engine.ask(session, "Say é!", Settings(max_new_tokens=16, max_turns=0, guide=True)).segments[0]
         httpd.shutdown()
     assert session.cache.ids[segment.start:] == ids and len(segment.provenance) == len(ids)
     assert segment.provenance[0] is Provenance.FORCED and segment.steered_tokens is None
@@ -107,7 +107,7 @@ def test_vllm_gets_the_guides_grammar_as_structured_outputs(server_tokenizer):
     httpd, url = serve(f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n".encode(), requests=requests)
     with httpd:
         engine = Engine(ServerBackend(ModelServer(url, timeout_s=5), Vllm("m"), server_tokenizer, 4096))
-        guided = Settings(max_new_tokens=16, max_turns=0)
+        guided = Settings(max_new_tokens=16, max_turns=0, guide=True)
         episode = engine.ask(engine.new_session(use_cache=False), "Hi!", guided)
         free = engine.ask(engine.new_session(use_cache=False), "Hi!", Settings(max_new_tokens=16, max_turns=0,
                                                                                guide=False))

@@ -1,6 +1,7 @@
-"""The shipped adapter (assets/adapter, scripts/train.py's) on the bundled model: ADAPTER=on merges it and names
-it, `auto` then answers in the protocol it was tuned for, and the model calls the calculator itself with the guide
-off; unset, the base model answers and sends the same sum to Search."""
+"""The shipped adapter (assets/adapter, scripts/train.py's) on the bundled model: by default (ADAPTER unset, or
+`on`) it is merged and named, `auto` answers in the protocol it was tuned for, and the model calls the calculator
+itself with the guide off; ADAPTER=off runs the base model, which sends the same sum to Search and reads an error
+naming the Calculator."""
 
 from __future__ import annotations
 
@@ -28,18 +29,19 @@ def test_the_adapter_is_shipped_small_with_its_gguf_and_its_card():
 
 
 @pytest.fixture(scope="module")
-def tuned():
+def base():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ADAPTER", "on")
+        patch.setenv("ADAPTER", "off")
         backend = LocalBackend(load_model())
     yield backend
     backend.scheduler.release()
 
 
-def test_adapter_on_merges_the_shipped_adapter_and_the_model_calls_the_calculator_itself(tuned):
+def test_by_default_the_shipped_adapter_is_merged_and_the_model_calls_the_calculator_itself(real):
+    tuned = real  # (ADAPTER unset: the tests' bundled model, as a visitor's)
     assert tuned.loaded.adapter is not None and tuned.loaded.adapter.folder == BUNDLED_ADAPTER
     assert f"+ adapter {tuned.loaded.adapter.digest}" in tuned.name
-    assert "trained by python3 scripts/train.py" in tuned.stats().adapter
+    assert "python3 scripts/train.py at " in tuned.stats().adapter
     engine = Engine(tuned, protocol="auto")
     assert engine.protocol.name == "chat"
     episode = engine.ask(engine.new_session(), SUM, UNGUIDED)
@@ -47,13 +49,14 @@ def test_adapter_on_merges_the_shipped_adapter_and_the_model_calls_the_calculato
     assert episode.answer.endswith("-239") and set(episode.provenance) <= {"user", "tool", "model"}
 
 
-def test_by_default_the_base_model_answers(real):
-    assert real.loaded.adapter is None and "adapter" not in real.name and real.stats().adapter is None
-    assert Engine(real, protocol="auto").protocol.name == "textenv"
-    chat = Engine(real, protocol="chat")
+def test_adapter_off_runs_the_base_model_whose_sum_sent_to_search_is_an_error_naming_the_calculator(base):
+    assert base.loaded.adapter is None and "adapter" not in base.name and base.stats().adapter is None
+    assert Engine(base, protocol="auto").protocol.name == "textenv"
+    chat = Engine(base, protocol="chat")
     episode = chat.ask(chat.new_session(), SUM, UNGUIDED)
-    calls = [s.tool for s in episode.segments if s.kind == "tool"]
-    assert calls and calls[0] != "Calculator"  # (the base model sends a sum to Search)
+    tools = [s for s in episode.segments if s.kind == "tool"]
+    assert tools and tools[0].tool == "Search" and not tools[0].ok  # (no longer passed on to the Calculator)
+    assert tools[0].result.endswith("to calculate it, use Calculator")
 
 
 def test_a_missing_adapter_folder_is_one_clear_error(monkeypatch):

@@ -14,7 +14,8 @@ import torch
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 GGUF_FILE = "adapter.gguf"  # the same adapter for llama.cpp (`llama-server --lora`), scripts/adapter_to_gguf.sh
-TRAINED_FILE = "trained.json"  # what trained it: {"command", "commit", "protocol" (the one it was tuned for)}
+# what trained it: {"command", "stage" (the run's stage it is from), "commit", "protocol" (the one it was tuned for)}
+TRAINED_FILE = "trained.json"
 
 
 class AdapterError(ValueError):
@@ -64,4 +65,6 @@ def merge(model: torch.nn.Module, folder: Path) -> Adapter:
     trained = json.loads((folder / TRAINED_FILE).read_text(encoding="utf-8")) if (folder / TRAINED_FILE).exists() \
         else {}
     made_by = " at ".join(str(trained[k]) for k in ("command", "commit") if trained.get(k))
+    if trained.get("stage"):
+        made_by = f"stage {trained['stage']} of {made_by}"
     return Adapter(folder, digest, pairs, made_by, trained.get("protocol"))

@@ -120,10 +120,11 @@ class Service:
 
     def warm_up(self) -> None:
         """Load the model, prefill the default system prompt and run one short turn on a session of its own, so the
-        first visitor does not wait for first-time work (the guide's tables, each kernel's and tool's first run)."""
+        first visitor does not wait for first-time work (the guide's tables, each kernel's and tool's first run):
+        guided, so that switching the guide on costs no first-time work either."""
         engine = self.engine_for(None, self.defaults.protocol)
         # (max_length None: the default for this backend, which fits its context; a server's slot may hold < 2,048)
-        settings = dataclasses.replace(self.defaults, max_new_tokens=16, max_length=None)
+        settings = dataclasses.replace(self.defaults, max_new_tokens=16, max_length=None, guide=True)
         engine.ask(engine.new_session(), WARM_UP_QUESTION, settings)
 
     # ---- model jobs -----------------------------------------------------------------------------------------
