@@ -39,6 +39,12 @@ def set_text(box: Locator, text: str) -> None:
     box.blur()
 
 
+def select_protocol(page: Page, name: str) -> None:
+    choice = page.locator("#protocol").get_by_label(name, exact=True)
+    choice.check()
+    expect(choice).to_be_checked()
+
+
 def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
     """Type and send a message; wait for this turn's end (tests.ui.waits: the page's count of finished turns has
     grown, under a final status), then check its status."""
@@ -54,7 +60,7 @@ def send(page: Page, text: str, status: str | re.Pattern | None = None) -> None:
 STORIES = ("Stories\n\nQ: Tell me a story about a cat.\nOnce upon a time, a cat lived in a small house by the sea. "
            "Every morning she walked along the beach, and every evening she told the fishermen what she had seen. "
            "One day she found a bottle with a letter inside, and that was the start of a long journey.\n")
-DONE = re.compile(r"^\s*done( · ended by [^\n·]*)?( · protocol textenv)?\s*$")  # (tests' tiny max_new_tokens: "ended by max_length …")
+DONE = re.compile(r"^\s*done( · ended by [^\n·]*)?( · protocol (textenv|chat))?\s*$")  # (tests' tiny max_new_tokens: "ended by max_length …")
 
 
 def model_parts(page: Page) -> list[str]:
@@ -66,7 +72,7 @@ def tool_parts(page: Page) -> list[str]:
     return [m.inner_text() for m in bot_messages(page).all() if m.locator(".thought-group").count() > 0]
 
 
-STOP = re.compile(r"stop: (string match <call>|string match <submit>|string match \\nQ:|EOS|"
+STOP = re.compile(r"stop: (string match <call>|string match <submit>|string match \\nQ:|string match </tool_call>|EOS|"
                   r"max_length \((max_new_tokens|session max_length)\)|stopped by user) · "
                   r"prefill \d+ new tokens · \d+ reused from cache · \d+ generated · \d+ ms")
 
@@ -75,12 +81,13 @@ def test_calculator_question_shows_tool_call_result_and_stop_reasons(open_page):
     page = open_page()
     send(page, "What is 41 * 23?")
     tools = tool_parts(page)
-    assert tools and "Tool Calculator: 41 * 23" in tools[0] and "943<response>" in tools[0]
+    assert tools and "Tool Calculator: 41 * 23" in tools[0] and "tool\n943" in tools[0]
     models = model_parts(page)
     assert len(models) == len(tools) + 1
     assert all(STOP.search(text) for text in models), models
-    assert "<request><Calculator>41 * 23<call>" in models[0]  # protocol markers render as text
-    assert "string match <call>" in models[0] and "943" in models[-1]
+    # the default: chat, the guide off: the model's own call, its JSON and markers rendered as text
+    assert '"name": "calculator"' in models[0] and "guided:" not in models[0]
+    assert "string match </tool_call>" in models[0] and "943" in models[-1]
     legend = page.locator("#tokens")
     for role in ("system", "user", "model", "tool"):
         expect(legend).to_contain_text(role)
@@ -102,19 +109,19 @@ def test_search_question_ends_cleanly_with_the_definition(open_page):
     assert "kludge (see kluge): A Rube Goldberg" in tools[0]
     models = model_parts(page)
     assert len(models) == 2 and all(STOP.search(text) for text in models)
-    assert "string match <call>" in models[0] and "string match <submit>" in models[1]
-    assert "Result = kludge" in models[1] and "A Rube Goldberg" in models[1] and "Q:" not in models[1]
+    assert "string match </tool_call>" in models[0] and "stop: EOS" in models[1]
+    assert "kludge" in models[1] and "A Rube Goldberg" in models[1] and "Q:" not in models[1]
     page.screenshot(path=str(OUT / "search.png"), full_page=True)
 
 
 def test_tiny_max_length_stops_with_max_length(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 1)
-    send(page, "Hi", status="done · ended by max_length (max_new_tokens) · protocol textenv")  # (the status says why: no answer)
+    send(page, "Hi", status="done · ended by max_length (max_new_tokens) · protocol chat")  # (the status says why: no answer)
     tokens = int(re.search(r"This chat: (\d+) tokens", page.locator("#stats").inner_text())[1])
     set_number(page, "max-length", tokens + 24)
     set_number(page, "max-new-tokens", 64)
-    send(page, "Write a very long story about a dragon.", status="done · ended by max_length (session max_length) · protocol textenv")
+    send(page, "Write a very long story about a dragon.", status="done · ended by max_length (session max_length) · protocol chat")
     assert "stop: max_length (session max_length)" in model_parts(page)[-1]
     send(page, "And another one?", status=re.compile(r"^\s*error: the context is full"))
     expect(page.locator("#status")).to_contain_text("start a new chat")
@@ -124,7 +131,7 @@ def test_tiny_max_length_stops_with_max_length(open_page):
 
 def test_cache_off_gives_the_same_greedy_answer(open_page):
     page = open_page()
-    set_number(page, "max-new-tokens", 24)
+    set_number(page, "max-new-tokens", 48)  # (a chat call is ~30 tokens)
     send(page, "What is 41 * 23?")
     cached = [t.split("stop:")[0] for t in model_parts(page)]
     page.locator("#new-chat").click()
@@ -177,6 +184,7 @@ def test_the_chats_trash_icon_starts_a_new_chat(open_page):
 def test_stop_cancels_generation(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 400)
+    select_protocol(page, "textenv")  # (STORIES is a textenv prompt)
     set_text(page.locator("#system-prompt textarea"), STORIES)  # the default prompt's answers end after a line or two
     page.locator("#msg textarea").fill("Tell me a long story about a robot.")
     page.locator("#send").click()
@@ -269,21 +277,21 @@ def test_gradio_client_ask_returns_episode_json(app_url):
     result = client.predict("What is 41 * 23?", {"max_new_tokens": 32}, api_name="/ask")
     assert set(result) == {"question", "answer", "backend", "protocol", "total_tokens", "cache", "guide",
                          "segments"}
-    assert result["question"] == "What is 41 * 23?" and result["guide"] is True
+    assert result["question"] == "What is 41 * 23?" and result["guide"] is False  # (the default: the model alone)
     assert set(result["cache"]) == {"enabled", "prefill_tokens", "reused_tokens"}
     segment_keys = {"kind", "text", "stop_reason", "stop_string", "limit", "tool", "prefill_tokens",
                     "cached_tokens", "generated_tokens", "ms"}
     assert result["segments"] and all(set(s) == segment_keys | ({"guided"} if s["kind"] == "model" else set())
                                       for s in result["segments"])
-    unguided = client.predict("What is 41 * 23?", {"max_new_tokens": 32, "guide": False}, api_name="/ask")
-    assert unguided["guide"] is False and all(  # (one schema: "guided" in every model segment, zeros here)
-        set(s) == segment_keys | ({"guided"} if s["kind"] == "model" else set()) for s in unguided["segments"])
+    guided = client.predict("What is 41 * 23?", {"max_new_tokens": 32, "guide": True}, api_name="/ask")
+    assert guided["guide"] is True and all(  # (one schema: "guided" in every model segment, zeros unguided)
+        set(s) == segment_keys | ({"guided"} if s["kind"] == "model" else set()) for s in guided["segments"])
     assert result["segments"][0]["kind"] == "model" and result["segments"][0]["stop_reason"]
     chunks = list(client.submit("Hello, who are you?", {"max_new_tokens": 8, "max_turns": 0}, api_name="/chat"))
     assert chunks and all(isinstance(c, str) for c in chunks)
     assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:]))
     chunks = list(client.submit("What is 2 + 2?", None, api_name="/chat"))  # settings None, as in the README
-    assert "<request><Calculator>" in chunks[-1] and "4<response>" in chunks[-1]
+    assert '"name": "calculator"' in chunks[-1] and "tool\n4<|im_end|>" in chunks[-1]
     api = client.view_api(print_info=False, return_format="dict")
     assert set(api["named_endpoints"]) == {"/chat", "/ask", "/stats"} and not api["unnamed_endpoints"]
     stats = client.predict(api_name="/stats")

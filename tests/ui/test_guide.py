@@ -41,7 +41,8 @@ def set_guide(page: Page, on: bool) -> None:
 def test_a_guided_look_up_shows_the_guides_tokens_and_the_status_lines_say_so(open_page):
     page = open_page()
     expect(page.locator("#guide")).to_contain_text("Guided answers")
-    expect(page.locator("#guide input[type=checkbox]")).to_be_checked()  # on by default
+    expect(page.locator("#guide input[type=checkbox]")).not_to_be_checked()  # off by default: the model's own work
+    set_guide(page, True)
     send(page, LOOK_UP)
     assert len(tool_parts(page)) == 1
     models = model_parts(page)
@@ -54,11 +55,12 @@ def test_a_guided_look_up_shows_the_guides_tokens_and_the_status_lines_say_so(op
 
 def test_switching_the_guide_off_gives_the_models_own_answer(open_page):
     page = open_page()
+    set_guide(page, True)
     set_guide(page, False)
     send(page, LOOK_UP)
     models = model_parts(page)
     assert models and not any("guided:" in text for text in models), models
-    expect(page.locator("#tokens")).to_contain_text("Q: What does kludge mean?")
+    expect(page.locator("#tokens")).to_contain_text("What does kludge mean?")
     expect(guide_tokens(page)).to_have_count(0)
     set_guide(page, True)  # the next turn of the same chat is guided again
     send(page, "What is 41 * 23?")
@@ -70,7 +72,7 @@ def test_compare_guide_shows_the_guide_on_and_off_side_by_side(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 48)
     page.locator("#msg textarea").fill(LOOK_UP)
-    assert click_and_wait(page, "compare-guide") == "done · protocol textenv"
+    assert click_and_wait(page, "compare-guide") == "done · protocol chat"
     result = page.locator("#compare-result")
     expect(result.locator("th")).to_have_text(["", "guide on", "guide off"])
     for row in ("answer", "tool calls", "tokens forced by the guide", "tokens steered by the guide",
@@ -87,7 +89,7 @@ def test_compare_guide_shows_the_guide_on_and_off_side_by_side(open_page):
 def test_two_visitors_at_once_one_with_the_guide_off(open_page):
     """Each visitor's checkbox is theirs: sent at the same moment, one turn is guided and the other is not."""
     on, off = open_page(), open_page()
-    set_guide(off, False)
+    set_guide(on, True)  # (off is the default)
     for page in (on, off):
         page.locator("#msg textarea").fill(LOOK_UP)
     marks = [before(page) for page in (on, off)]

@@ -12,19 +12,13 @@ from playwright.sync_api import Page, expect
 
 from components.tokens import COLOR_MAP
 from tests.ui.conftest import OUT
-from tests.ui.test_app import model_parts, tool_parts
+from tests.ui.test_app import model_parts, select_protocol, tool_parts
 from tests.ui.test_guide import rgb
 from tests.ui.waits import before, wait_ended
 
 pytestmark = pytest.mark.ui
 
 QUESTION = "What is 41 * 23?"
-
-
-def select_protocol(page: Page, name: str) -> None:
-    choice = page.locator("#protocol").get_by_label(name, exact=True)
-    choice.check()
-    expect(choice).to_be_checked()
 
 
 def tokens_of(page: Page, role: str):

@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.ui.conftest import OUT, TURN_MS
-from tests.ui.test_app import bot_messages, send, set_number, set_text, user_messages
+from tests.ui.test_app import bot_messages, select_protocol, send, set_number, set_text, user_messages
 from tests.ui.waits import BATCH, TURN, Lane, before, wait_ended
 
 pytestmark = pytest.mark.ui
@@ -26,9 +26,9 @@ def click_and_wait(page: Page, button: str, lane: Lane = TURN) -> str:
 
 def test_compare_shows_both_columns_and_identical_tokens(open_page):
     page = open_page()
-    set_number(page, "max-new-tokens", 24)
+    set_number(page, "max-new-tokens", 48)  # (a chat call is ~30 tokens)
     page.locator("#msg textarea").fill("What is 41 * 23?")
-    assert click_and_wait(page, "compare") == "done · protocol textenv"
+    assert click_and_wait(page, "compare") == "done · protocol chat"
     result = page.locator("#compare-result")
     expect(result.locator("th")).to_have_text(["", "cache on", "cache off"])
     expect(result).to_contain_text("identical tokens: yes")
@@ -58,17 +58,17 @@ def test_timing_plot_after_a_turn(open_page):
 
 def test_batch_tab_with_builtin_questions(open_page):
     page = open_page()
-    set_number(page, "max-new-tokens", 24)
+    set_number(page, "max-new-tokens", 48)
     page.get_by_role("tab", name="Batch").click()
     questions = page.locator("#batch-questions textarea")
     page.locator("#batch-load").click()
     expect(questions).to_have_value(re.compile(r"\| 943\n"))
     questions.fill("\n".join(questions.input_value().splitlines()[:2]))
-    assert click_and_wait(page, "batch-run", BATCH) == "done · protocol textenv"
+    assert click_and_wait(page, "batch-run", BATCH) == "done · protocol chat"
     rows = page.locator("#batch-results div[role=row]")  # data rows (the header is a <tr>)
     expect(rows).to_have_count(2)
     expect(rows.first).to_contain_text("What is 41 * 23?")
-    expect(rows.first).to_contain_text("string match <submit>")
+    expect(rows.first).to_contain_text("EOS")  # (chat: the answer ends at the model's end of turn)
     summary = page.locator("#batch-summary")
     expect(summary).to_contain_text(re.compile(r"accuracy: \d+/2 = \d+%"))
     expect(summary).to_contain_text(re.compile(r"total time, cache on: [\d.]+ s"))
@@ -86,9 +86,9 @@ def test_batch_tab_with_builtin_questions(open_page):
                                                     .rpartition("|")[0].strip()]
     for line in lines:
         assert len(line["token_ids"]) == len(line["mask"]) == len(line["provenance"]) > 0
-        assert line["reward"] in (0.0, 1.0) and line["guide"] is True
-        assert all(m == (p in ("model", "steered")) for m, p in zip(line["mask"], line["provenance"]))
-    assert "forced" in lines[0]["provenance"]  # (the Calculator's claim and the answer's number: the guide's)
+        assert line["reward"] in (0.0, 1.0) and line["guide"] is False  # (the default: the model's own work)
+        assert all(m == (p == "model") for m, p in zip(line["mask"], line["provenance"]))
+        assert "forced" not in line["provenance"] and "model" in line["provenance"]
     # bad input is a clear message; the server stays up
     questions.fill("")
     assert click_and_wait(page, "batch-run", BATCH).startswith("error: no questions")
@@ -96,7 +96,7 @@ def test_batch_tab_with_builtin_questions(open_page):
 
 def test_batch_stop_button_stops_the_run(open_page):
     page = open_page()
-    set_number(page, "max-new-tokens", 24)
+    set_number(page, "max-new-tokens", 48)
     page.get_by_role("tab", name="Batch").click()
     page.locator("#batch-load").click()
     expect(page.locator("#batch-questions textarea")).to_have_value(re.compile(r"\| 943\n"))
@@ -104,7 +104,7 @@ def test_batch_stop_button_stops_the_run(open_page):
     status = page.locator("#batch-status")
     expect(status).to_contain_text("running", timeout=TURN_MS)  # (the rows run at once: they finish together)
     page.locator("#batch-stop").click()
-    expect(status).to_have_text("done (stopped by user) · protocol textenv", timeout=TURN_MS)
+    expect(status).to_have_text("done (stopped by user) · protocol chat", timeout=TURN_MS)
     expect(page.locator("#batch-summary")).not_to_contain_text("cache off")  # the second pass never ran
 
 
@@ -112,6 +112,7 @@ def test_custom_system_prompt_is_used_and_a_change_starts_a_new_chat(open_page):
     page = open_page()
     set_number(page, "max-new-tokens", 3)
     set_number(page, "max-turns", 0)
+    select_protocol(page, "textenv")  # (its prompt format: {tools} listed one per line)
     prompt = page.locator("#system-prompt textarea")
     expect(prompt).to_have_value(re.compile(r"\{tools\}"))
     set_text(prompt, "You are Custom Bot.\nTools:\n{tools}\n")
