@@ -271,9 +271,9 @@ def main() -> int:
     parser.add_argument("--backend", nargs="+", choices=("local", "server"), default=["local"],
                         help="in process (local) and/or through llama.cpp's server on the bundled GGUF (server)")
     parser.add_argument("--guide", nargs="+", choices=("on", "off"), default=None,
-                        help="guided answers on and/or off (default: on, the page's setting)")
+                        help="guided answers on and/or off (default: on; the page defaults to off)")
     parser.add_argument("--protocol", nargs="+", choices=("textenv", "chat"), default=None,
-                        help="how model and tools talk (app/protocols/; default: textenv, the bundled model's auto)")
+                        help="how model and tools talk (app/protocols/; default: textenv; the page and auto answer in chat with the shipped adapter)")
     parser.add_argument("--floors", action="store_true",
                         help="exit 1 where a test-set count is under its floor (FLOORS; CI runs this)")
     args = parser.parse_args()
@@ -322,20 +322,22 @@ def main() -> int:
     return 0
 
 
-# The test set's floors, a little below the counts of 2026-12-06 (int8, AMD EPYC Zen 3 and Zen 4): textenv, guide on
-# 25, 25 of 25 look-ups, 24, 24 of 24 sums, 8 of 8 greetings without a tool; guide off 22, 21, 24, 23, 8. chat, guide
-# on 25, 25, 18, 24, 8; guide off 25, 22, 0, 22, 8 (unguided, the bundled model sends every sum to `search`, which
-# hands it to the Calculator: no floor on naming the calculator). (protocol, guide) -> (kind, measure) -> the least
-# count; a column's protocol and guide are read from its label ("chat, int8, guide off").
+# The test set's floors, a little below the counts of 2026-12-07 (int8, Intel Xeon Sapphire Rapids; the bundled model
+# with the shipped adapter, docs/training.md): textenv, guide on 25, 25 of 25 look-ups, 24, 24 of 24 sums, 7 of 8
+# greetings without a tool; guide off 25, 23, 24, 24, 8. chat, guide on 25, 25, 24, 24, 8; guide off (the page's
+# default) 24, 23, 24, 24, 8: its floors are the issue's (calculator and sums 23) or one below today's count where
+# that count is the issue's floor (look-ups 24 -> 23, key phrase 23 -> 22), so that a greedy token that rounds the
+# other way on another CPU does not fail CI. (protocol, guide) -> (kind, measure) -> the least count; a column's
+# protocol and guide are read from its label ("chat, int8, guide off").
 FLOORS = {
     ("textenv", "on"): {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 23,
                         ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
     ("textenv", "off"): {("look-up", "clean"): 20, ("look-up", "key"): 19, ("arithmetic", "calc"): 22,
                          ("arithmetic", "correct"): 21, ("chit-chat", "no_tool"): 7},
-    ("chat", "on"): {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 16,
+    ("chat", "on"): {("look-up", "clean"): 24, ("look-up", "key"): 23, ("arithmetic", "calc"): 23,
                      ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
-    ("chat", "off"): {("look-up", "clean"): 22, ("look-up", "key"): 19, ("arithmetic", "correct"): 20,
-                      ("chit-chat", "no_tool"): 7},
+    ("chat", "off"): {("look-up", "clean"): 23, ("look-up", "key"): 22, ("arithmetic", "calc"): 23,
+                      ("arithmetic", "correct"): 23, ("chit-chat", "no_tool"): 7},
 }
 
 
