@@ -273,7 +273,8 @@ def main() -> int:
     parser.add_argument("--guide", nargs="+", choices=("on", "off"), default=None,
                         help="guided answers on and/or off (default: on; the page defaults to off)")
     parser.add_argument("--protocol", nargs="+", choices=("textenv", "chat"), default=None,
-                        help="how model and tools talk (app/protocols/; default: textenv; the page and auto answer in chat with the shipped adapter)")
+                        help="how model and tools talk (app/protocols/; default: textenv; the page's auto is chat "
+                             "with the shipped adapter)")
     parser.add_argument("--floors", action="store_true",
                         help="exit 1 where a test-set count is under its floor (FLOORS; CI runs this)")
     args = parser.parse_args()
