@@ -284,13 +284,14 @@ def long_tool() -> Tool:
                 lambda query: " ".join(f"step {i}: turn the knob of the {query} once." for i in range(100)))
 
 
-ROWS = [  # (question, settings, prompt): every way a row can leave a step
-    ("What is 13 * 7?", Settings(max_new_tokens=48, draft_tokens=8), None),  # <call> inside a draft
-    ("What does grok mean?", Settings(max_new_tokens=48), None),  # a search, then <submit>
-    ("What is 1,250 + 3,780?", Settings(max_new_tokens=48, max_length=1300), None),  # session max_length
-    ("Say yes.", Settings(max_new_tokens=48), "You answer in one word.\n"),  # EOS
-    ("Write a story.", Settings(max_new_tokens=20, max_turns=0), "You write very long stories.\n"),  # max_new_tokens
-    ("Read me the manual for the radio.", Settings(max_new_tokens=24, max_tool_response=4000),
+ROWS = [  # (question, settings, prompt): every way a row can leave a step (guided: "Say yes." ends at EOS)
+    ("What is 13 * 7?", Settings(guide=True, max_new_tokens=48, draft_tokens=8), None),  # <call> inside a draft
+    ("What does grok mean?", Settings(guide=True, max_new_tokens=48), None),  # a search, then <submit>
+    ("What is 1,250 + 3,780?", Settings(guide=True, max_new_tokens=48, max_length=1300), None),  # session max_length
+    ("Say yes.", Settings(guide=True, max_new_tokens=48), "You answer in one word.\n"),  # EOS
+    ("Write a story.", Settings(guide=True, max_new_tokens=20, max_turns=0),
+     "You write very long stories.\n"),  # max_new_tokens
+    ("Read me the manual for the radio.", Settings(guide=True, max_new_tokens=24, max_tool_response=4000),
      "To read a manual write <request><Manual>name<call>.\n\nQ: Read me the manual for the tv.\n"
      "<request><Manual>tv<call>"),  # a long tool output
 ]
@@ -303,9 +304,9 @@ def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
     engine = Engine(real, tools=tools)
     history = engine.new_session()
     for question in ("What is 6 * 7?", "What is a luser?", "And 100 - 1?"):
-        engine.ask(history, question, Settings(max_new_tokens=48))
+        engine.ask(history, question, Settings(guide=True, max_new_tokens=48))
     rows = [(engine.new_session(prompt), q, s) for q, s, prompt in ROWS]
-    rows.append((history, "What is 2 ** 10?", Settings(max_new_tokens=48)))
+    rows.append((history, "What is 2 ** 10?", Settings(guide=True, max_new_tokens=48)))
     solo = []
     for session, question, settings in rows:
         twin = session.fork()
@@ -319,8 +320,8 @@ def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
         episodes[i] = engine.ask(session, question, settings)
 
     def run_cancelled():
-        for event in engine.turn(cancelled, "Write a long story.", Settings(max_new_tokens=200, max_turns=0),
-                                 cancel=cancel):
+        for event in engine.turn(cancelled, "Write a long story.",
+                                 Settings(guide=True, max_new_tokens=200, max_turns=0), cancel=cancel):
             if isinstance(event, TextDelta) and engine.backend.scheduler.stats.steps > started + 12:
                 cancel.set()
 

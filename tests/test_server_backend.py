@@ -454,7 +454,8 @@ def test_a_grammar_the_server_rejects_is_a_clear_error_in_page_api_and_cli_and_t
         assert "error" not in page.api.ask("What is 12 * 9?", {"guide": False})
 
         env = {**os.environ, "MODEL_SERVER_URL": url}
-        done = subprocess.run([sys.executable, "-m", "app", "ask", "What is 41 * 23?", "--max-length", "4096", "--guide"],
+        ask = ["ask", "What is 41 * 23?", "--max-length", "4096", "--guide"]
+        done = subprocess.run([sys.executable, "-m", "app", *ask],
                               capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 1 and f"[error: {expected}]" in done.stdout, (done.stdout, done.stderr)
 
