@@ -28,7 +28,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from app.backends.local import LocalBackend  # noqa: E402
 from app.engine.engine import Engine  # noqa: E402
-from app.model.adapter import TRAINED_FILE  # noqa: E402
+from app.model.adapter import CONFIG_FILE, TRAINED_FILE, WEIGHTS_FILE  # noqa: E402
 from app.model.float32 import plain_copy  # noqa: E402
 from app.model.loading import HUB_MODEL_ID, load_model  # noqa: E402
 from app.settings import Settings  # noqa: E402
@@ -271,9 +271,9 @@ def shippable(folder: Path, command: str, stage: str, commit: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    config = json.loads((folder / "adapter_config.json").read_text())  # (the hub id, not this machine's cache path)
-    (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": HUB_MODEL_ID}, indent=2))
-    weights = folder / "adapter_model.safetensors"
+    config = json.loads((folder / CONFIG_FILE).read_text())  # (the hub id, not this machine's cache path)
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "base_model_name_or_path": HUB_MODEL_ID}, indent=2))
+    weights = folder / WEIGHTS_FILE
     save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights)
     (folder / TRAINED_FILE).write_text(json.dumps({"command": command, "stage": stage, "commit": commit,
                                                    "protocol": PROTOCOL}, indent=1) + "\n")

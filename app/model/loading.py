@@ -203,13 +203,15 @@ def adapter_choice(bundled: bool) -> Path | None:
     none for a MODEL_ID model; "off", none (the base model); "on", the shipped one, for the bundled model only; a
     folder, that one."""
     value = os.environ.get("ADAPTER", "").strip()
-    if value.lower() in ("off", "base", "none", "0") or (not value and not bundled):
+    if value.lower() in ("off", "base", "none", "0"):
         return None
     if value.lower() in ("", "on", "1", "bundled"):
-        if not bundled:
-            raise ModelUnavailable("ADAPTER=on merges the shipped adapter, trained on the bundled model, which "
-                                   "MODEL_ID replaces: unset one of them, or set ADAPTER to a folder")
-        return BUNDLED_ADAPTER
+        if bundled:
+            return BUNDLED_ADAPTER
+        if not value:  # (a MODEL_ID model never gets the shipped adapter)
+            return None
+        raise ModelUnavailable("ADAPTER=on merges the shipped adapter, trained on the bundled model, which "
+                               "MODEL_ID replaces: unset one of them, or set ADAPTER to a folder")
     folder = Path(value)
     if not (folder / CONFIG_FILE).exists():
         raise ModelUnavailable(f"ADAPTER={value}: no {CONFIG_FILE} there (a peft LoRA folder, on or off)")
