@@ -11,12 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import writing
+
+from app.engine.engine import Engine
 from app.episode import Episode, Provenance, Segment
+from app.settings import Settings
 from app.tools.registry import default_tools
 from app.training import questions as gen
 from app.training.rewards import right_answer, right_answer_reward, right_tool
 from app.training.sft import IGNORE, SharedPrefixSFT, batches, example
-from app.training.teacher import teacher_tools
+from app.training.teacher import replied, teacher_tools
 
 peft = pytest.importorskip("peft")
 
@@ -151,3 +155,48 @@ def test_a_peft_policys_weights_reach_the_engine_merged(tiny_llama):
     expected = layer.base_layer.weight + 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
     assert torch.allclose(state[q], expected, atol=1e-6)
     assert not torch.allclose(layer.base_layer.weight, expected)  # (the policy's own layer is unmerged again)
+
+
+REPLY = "Hello! What would you like me to calculate or look up?"
+
+
+@pytest.mark.parametrize("protocol, marker, wrote, taught", [
+    ("chat", "<|im_start|>tool", "You're welcome!<|im_end|>", REPLY + "<|im_end|>"),
+    ("textenv", "<response>", "Result = You're welcome!<submit>", f"Result = {REPLY}<submit>"),  # (`=` forced)
+])
+def test_a_chit_chat_example_is_the_teachers_episode_with_the_written_reply(tiny_llama, protocol, marker, wrote,
+                                                                            taught):
+    """Regression: the base model's guided greetings said "You're welcome!" to "Who are you?", and stage 1 taught it.
+    The question and the episode's own ending stay; the model's words are the written reply."""
+    tokenizer = tiny_llama.tokenizer
+    engine = Engine(writing(tiny_llama, wrote, marker=marker, specials=True), protocol=protocol)
+    [episode] = engine.run(["Hello!"], Settings(max_new_tokens=24), guide=True)
+    assert episode.answered and episode.answer.endswith("You're welcome!")
+    question = episode.provenance.count("user")
+    ex = replied(episode, REPLY, tokenizer)
+    assert ex.ids[:question] == episode.token_ids[:question] and ex.labels[:question] == [IGNORE] * question
+    assert tokenizer.decode(ex.ids[question:]) == taught and ex.labels[question:] == ex.ids[question:]
+    assert ex.ids[-1] == episode.token_ids[-1]  # (the ending the model wrote: EOS, `>` of <submit>)
+
+
+def test_a_chit_chat_episode_that_called_a_tool_or_never_ended_teaches_nothing(tiny_llama):
+    engine = Engine(writing(tiny_llama, "<request><Calculator>2 + 2<call>", "Result = 4<submit>"),
+                    prompt="You answer questions.", protocol="textenv")  # (no examples: the writer counts results)
+    called, = engine.run(["Hello!"], Settings(max_new_tokens=24, max_turns=1), guide=False)
+    cut, = Engine(writing(tiny_llama, "Result = Hello there, how nice to see you today<submit>"),
+                  protocol="textenv").run(["Hello!"], Settings(max_new_tokens=4), guide=False)
+    assert called.segments[1].kind == "tool" and not cut.answered
+    assert replied(called, REPLY, tiny_llama.tokenizer) is None and replied(cut, REPLY, tiny_llama.tokenizer) is None
+
+
+def test_every_training_chit_chat_has_a_written_reply_naming_the_tools():
+    questions = gen.chitchat(random.Random(0), len(gen.CHITCHAT))
+    assert {q.text for q in questions} == set(gen.CHITCHAT) and all(q.reply and "{" not in q.reply for q in questions)
+    assert any("a calculator and the Jargon File" in q.reply for q in questions)
+    assert not any("welcome" in q.reply.lower() for q in questions if "thank" not in q.text.lower())
+
+
+def test_word_problems_are_hard_sums_with_their_call():
+    for q in gen.word_problems(random.Random(2), 30):
+        assert q.kind == "hard" and default_tools()["Calculator"].function(q.call[1]) == q.expected
+        assert not any(c in q.text for c in "+*/")

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from app.protocols.naming import name_tools
 from app.tools.registry import default_tools
 from app.tools.search import load_corpus
 
@@ -15,12 +16,14 @@ from app.tools.search import load_corpus
 @dataclass(frozen=True)
 class Question:
     """One question: its kind ("sum", "hard", "look-up", "chit-chat"), its expected answer (the value for a sum, the
-    headword for a look-up, None for chit-chat) and, where generated, the call a teacher writes for it (tool, query)."""
+    headword for a look-up, None for chit-chat) and, where generated, what a teacher writes for it: the call (tool,
+    query), or a chit-chat reply."""
 
     text: str
     kind: str
     expected: str | None = None
     call: tuple[str, str] | None = None
+    reply: str | None = None  # chit-chat: the reply a teacher writes (stage 1 learns it)
 
 
 def _value(expression: str) -> str:
@@ -63,6 +66,24 @@ _WORD_PROBLEMS = [
 ]
 
 
+def _word_problem(rng: random.Random, a: int, b: int) -> tuple[str, str]:
+    text, expression = rng.choice(_WORD_PROBLEMS)
+    if "/" in expression:
+        a = a * b
+    elif "-" in expression and a < b:
+        a, b = b, a
+    return text.format(a=a, b=b), expression.format(a=a, b=b)
+
+
+def word_problems(rng: random.Random, n: int) -> list[Question]:
+    """Hard sums of one family: sums in words ("A tank holds 60 litres and 7 litres leak out...")."""
+    out = []
+    for _ in range(n):
+        text, expression = _word_problem(rng, rng.randint(2, 99), rng.randint(2, 60))
+        out.append(Question(text, "hard", _value(expression), ("Calculator", expression)))
+    return out
+
+
 def hard_sums(rng: random.Random, n: int) -> list[Question]:
     """What plain sums leave: word problems, several operations, powers, percents, square roots, negative results."""
     out = []
@@ -70,12 +91,7 @@ def hard_sums(rng: random.Random, n: int) -> list[Question]:
         kind = rng.randrange(6)
         a, b, c = rng.randint(2, 99), rng.randint(2, 60), rng.randint(2, 30)
         if kind == 0:
-            text, expression = rng.choice(_WORD_PROBLEMS)
-            if "/" in expression:
-                a = a * b
-            elif "-" in expression and a < b:
-                a, b = b, a
-            text, expression = text.format(a=a, b=b), expression.format(a=a, b=b)
+            text, expression = _word_problem(rng, a, b)
         elif kind == 1:
             expression = rng.choice([f"{a} + {b} * {c}", f"({a} + {b}) * {c}", f"{a} * {b} - {c}",
                                      f"{a} + {b} + {c}", f"{a} * {b} * {c}", f"({a} - {b}) * {c}"])
@@ -108,15 +124,30 @@ def lookups(rng: random.Random, n: int, avoid: Iterable[str] = ()) -> list[Quest
     return [Question(rng.choice(_LOOKUP_ASKS).format(w), "look-up", w, ("Search", w)) for w in rng.sample(words, n)]
 
 
-CHITCHAT = ["Hey!", "Hi there.", "Good afternoon!", "How's it going?", "Thanks a lot!", "Who are you?",
-            "What are you?", "Bye!", "See you later.", "Cheers!", "Howdy!", "Are you a robot?", "Hello!",
-            "Good night!", "What can you help me with?", "Thanks for your help.", "Greetings!", "Yo!",
-            "How do you do?", "Are you there?", "Hello there, how are you?", "Many thanks!", "Hi, what's new?",
-            "Who built you?"]
+_HELLO = "What would you like me to {actions}?"
+_ME = "I am a small assistant with {abilities}."
+# Chit-chat for training and the reply a teacher writes to each ({abilities} and {actions} name the session's tools,
+# as the prompts' own greeting examples do: app.protocols.naming).
+REPLIES = {
+    "Hey!": f"Hey! {_HELLO}", "Hi there.": f"Hi! {_HELLO}", "Good afternoon!": f"Good afternoon! {_HELLO}",
+    "How's it going?": f"Fine, thank you! {_HELLO}", "Thanks a lot!": "You're welcome!", "Who are you?": _ME,
+    "What are you?": _ME, "Bye!": "Goodbye!", "See you later.": "See you later!", "Cheers!": "Cheers!",
+    "Howdy!": f"Howdy! {_HELLO}", "Are you a robot?": f"I am a small language model with {{abilities}}.",
+    "Hello!": f"Hello! {_HELLO}", "Good night!": "Good night!",
+    "What can you help me with?": "I can {actions}: I have {abilities}.", "Thanks for your help.": "You're welcome!",
+    "Greetings!": f"Greetings! {_HELLO}", "Yo!": f"Hi! {_HELLO}", "How do you do?": f"How do you do? {_HELLO}",
+    "Are you there?": f"Yes, I am here. {_HELLO}", "Hello there, how are you?": f"Hello! I am fine, thank you. {_HELLO}",
+    "Many thanks!": "You're welcome!", "Hi, what's new?": f"Hi! {_ME} {_HELLO}",
+    "Who built you?": f"I am SmolLM2, a small language model by Hugging Face, with {{abilities}}.",
+}
+CHITCHAT = list(REPLIES)
 
 
-def chitchat(rng: random.Random, n: int) -> list[Question]:
-    return [Question(t, "chit-chat") for t in rng.sample(CHITCHAT, min(n, len(CHITCHAT)))]
+def chitchat(rng: random.Random, n: int, tools=None) -> list[Question]:
+    """`n` of the chit-chat questions, each with its written reply naming `tools` (the default tools)."""
+    tools = default_tools() if tools is None else tools
+    return [Question(t, "chit-chat", reply=name_tools(REPLIES[t], tools))
+            for t in rng.sample(CHITCHAT, min(n, len(CHITCHAT)))]
 
 
 def _key(text: str) -> str:
