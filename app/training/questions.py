@@ -132,13 +132,14 @@ REPLIES = {
     "Hey!": f"Hey! {_HELLO}", "Hi there.": f"Hi! {_HELLO}", "Good afternoon!": f"Good afternoon! {_HELLO}",
     "How's it going?": f"Fine, thank you! {_HELLO}", "Thanks a lot!": "You're welcome!", "Who are you?": _ME,
     "What are you?": _ME, "Bye!": "Goodbye!", "See you later.": "See you later!", "Cheers!": "Cheers!",
-    "Howdy!": f"Howdy! {_HELLO}", "Are you a robot?": f"I am a small language model with {{abilities}}.",
+    "Howdy!": f"Howdy! {_HELLO}", "Are you a robot?": "I am a small language model with {abilities}.",
     "Hello!": f"Hello! {_HELLO}", "Good night!": "Good night!",
     "What can you help me with?": "I can {actions}: I have {abilities}.", "Thanks for your help.": "You're welcome!",
     "Greetings!": f"Greetings! {_HELLO}", "Yo!": f"Hi! {_HELLO}", "How do you do?": f"How do you do? {_HELLO}",
-    "Are you there?": f"Yes, I am here. {_HELLO}", "Hello there, how are you?": f"Hello! I am fine, thank you. {_HELLO}",
+    "Are you there?": f"Yes, I am here. {_HELLO}",
+    "Hello there, how are you?": f"Hello! I am fine, thank you. {_HELLO}",
     "Many thanks!": "You're welcome!", "Hi, what's new?": f"Hi! {_ME} {_HELLO}",
-    "Who built you?": f"I am SmolLM2, a small language model by Hugging Face, with {{abilities}}.",
+    "Who built you?": "I am SmolLM2, a small language model by Hugging Face, with {abilities}.",
 }
 CHITCHAT = list(REPLIES)
 
