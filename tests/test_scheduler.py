@@ -11,7 +11,7 @@ import torch
 
 from app.decoding.stops import StopReason
 from app.engine.engine import Engine
-from app.episode import EpisodeFinished, TextDelta
+from app.episode import EpisodeFinished, Limit, TextDelta
 from app.model import scheduler as scheduler_module
 from app.model.kvcache import TokenCache
 from app.model.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, PassResult, Scheduler, plan_step
@@ -284,13 +284,16 @@ def long_tool() -> Tool:
                 lambda query: " ".join(f"step {i}: turn the knob of the {query} once." for i in range(100)))
 
 
+# A prompt the model follows for as long as it may write, adapter or not (a "long story" prompt it ends in a few
+# tokens with the shipped adapter).
+COUNTING = "You count out loud.\n\nQ: Count to 30.\nResult = " + ", ".join(map(str, range(1, 31))) + "<submit>\n"
+
 ROWS = [  # (question, settings, prompt): every way a row can leave a step (guided: "Say yes." ends at EOS)
     ("What is 13 * 7?", Settings(guide=True, max_new_tokens=48, draft_tokens=8), None),  # <call> inside a draft
     ("What does grok mean?", Settings(guide=True, max_new_tokens=48), None),  # a search, then <submit>
     ("What is 1,250 + 3,780?", Settings(guide=True, max_new_tokens=48, max_length=1300), None),  # session max_length
     ("Say yes.", Settings(guide=True, max_new_tokens=48), "You answer in one word.\n"),  # EOS
-    ("Write a story.", Settings(guide=True, max_new_tokens=20, max_turns=0),
-     "You write very long stories.\n"),  # max_new_tokens
+    ("Count to 300.", Settings(guide=True, max_new_tokens=20, max_turns=0), COUNTING),  # max_new_tokens
     ("Read me the manual for the radio.", Settings(guide=True, max_new_tokens=24, max_tool_response=4000),
      "To read a manual write <request><Manual>name<call>.\n\nQ: Read me the manual for the tv.\n"
      "<request><Manual>tv<call>"),  # a long tool output
@@ -311,7 +314,7 @@ def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
     for session, question, settings in rows:
         twin = session.fork()
         solo.append(engine.ask(twin, question, settings))
-    cancelled = engine.new_session("You write very long stories.\n")
+    cancelled = engine.new_session(COUNTING)
     cancel = threading.Event()
     episodes: list = [None] * len(rows)
 
@@ -320,7 +323,7 @@ def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
         episodes[i] = engine.ask(session, question, settings)
 
     def run_cancelled():
-        for event in engine.turn(cancelled, "Write a long story.",
+        for event in engine.turn(cancelled, "Count to 300.",
                                  Settings(guide=True, max_new_tokens=200, max_turns=0), cancel=cancel):
             if isinstance(event, TextDelta) and engine.backend.scheduler.stats.steps > started + 12:
                 cancel.set()
@@ -343,6 +346,7 @@ def test_eight_rows_at_once_give_each_row_its_solo_episode(real):
     assert {StopReason.STRING_MATCH, StopReason.EOS, StopReason.MAX_LENGTH} <= stops
     assert any(s.kind == "tool" and s.end - s.start > 300 for s in episodes[5].segments)  # a long tool result
     assert cancelled.episodes[-1].segments[-1].stop.reason is StopReason.CANCELLED
+    assert episodes[4].model_segments[-1].stop.limit is Limit.MAX_NEW_TOKENS
     for session in [cancelled] + [row[0] for row in rows]:  # each cache covers a prefix of its own ids
         assert session.cache.cached <= len(session.cache)
 

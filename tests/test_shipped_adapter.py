@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -41,7 +42,7 @@ def test_by_default_the_shipped_adapter_is_merged_and_the_model_calls_the_calcul
     tuned = real  # (ADAPTER unset: the tests' bundled model, as a visitor's)
     assert tuned.loaded.adapter is not None and tuned.loaded.adapter.folder == BUNDLED_ADAPTER
     assert f"+ adapter {tuned.loaded.adapter.digest}" in tuned.name
-    assert "python3 scripts/train.py at " in tuned.stats().adapter
+    assert re.search(r"trained by stage \d \(\w+\) of python3 scripts/train\.py.* at [0-9a-f]{7}", tuned.stats().adapter)
     engine = Engine(tuned, protocol="auto")
     assert engine.protocol.name == "chat"
     episode = engine.ask(engine.new_session(), SUM, UNGUIDED)
