@@ -11,8 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import writing
-
 from app.engine.engine import Engine
 from app.episode import Episode, Provenance, Segment
 from app.settings import Settings
@@ -21,6 +19,7 @@ from app.training import questions as gen
 from app.training.rewards import right_answer, right_answer_reward, right_tool
 from app.training.sft import IGNORE, SharedPrefixSFT, batches, example
 from app.training.teacher import replied, teacher_tools
+from tests.conftest import writing
 
 peft = pytest.importorskip("peft")
 
