@@ -38,7 +38,7 @@ from app.training.evaluate import evaluate, named_right_tool, right  # noqa: E40
 from app.training.questions import Question  # noqa: E402
 from app.training.rewards import TASK_REWARD_FUNCS  # noqa: E402
 from app.training.rollout import EngineRollout  # noqa: E402
-from app.training.sft import SharedPrefixSFT, batches, example  # noqa: E402
+from app.training.sft import Example, SharedPrefixSFT, batches, example  # noqa: E402
 from app.training.teacher import replied, teacher_tools  # noqa: E402
 from app.training.weights import sync  # noqa: E402
 from benchmarks.answer_quality import ARITHMETIC, CHITCHAT, LOOKUPS  # noqa: E402
@@ -154,9 +154,13 @@ def teacher_examples(run: Run, questions: list[Question], protocol: str) -> tupl
     began = time.perf_counter()
     teacher = Engine(run.backend, tools=teacher_tools(run.engine.tools, questions), protocol=protocol)
     episodes = teacher.run([q.text for q in questions], Settings(max_new_tokens=64), guide=True)
-    taught = [(q, replied(e, q.reply, run.loaded.tokenizer) if q.reply else
-               example(e) if right(q, e) and named_right_tool(q, e) else None) for q, e in zip(questions, episodes)]
-    kept = [(q, ex) for q, ex in taught if ex is not None]
+
+    def taught(question: Question, episode) -> Example | None:
+        if question.reply is not None:
+            return replied(episode, question.reply, run.loaded.tokenizer)
+        return example(episode) if right(question, episode) and named_right_tool(question, episode) else None
+
+    kept = [(q, ex) for q, e in zip(questions, episodes) if (ex := taught(q, e)) is not None]
     by_kind = {k: sum(1 for q, _ in kept if q.kind == k) for k in dict.fromkeys(q.kind for q in questions)}
     print(f"teacher ({protocol}): {len(kept)} of {len(questions)} guided episodes right (chit-chat: ended without "
           f"a call, its reply written), by kind {by_kind}", flush=True)
@@ -320,9 +324,10 @@ def main() -> int:
     if args.grpo_steps:
         stage_grpo(run)
         run.report("grpo")
-    ship(run, args.out / "adapter", "2 (GRPO)" if args.grpo_steps else "1 (SFT)")
+    last = "2 (GRPO)" if args.grpo_steps else "1 (SFT)"
+    ship(run, args.out / "adapter", last)
     if args.adapter_out:
-        ship(run, args.adapter_out, "2 (GRPO)" if args.grpo_steps else "1 (SFT)")
+        ship(run, args.adapter_out, last)
     run.log["seconds"] = round(run.seconds())
     run.save()
     from training_plots import plot

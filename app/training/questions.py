@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from app.protocols.naming import name_tools
+from app.tools.base import Tool
 from app.tools.registry import default_tools
 from app.tools.search import load_corpus
 
@@ -144,7 +145,7 @@ REPLIES = {
 CHITCHAT = list(REPLIES)
 
 
-def chitchat(rng: random.Random, n: int, tools=None) -> list[Question]:
+def chitchat(rng: random.Random, n: int, tools: Mapping[str, Tool] | None = None) -> list[Question]:
     """`n` of the chit-chat questions, each with its written reply naming `tools` (the default tools)."""
     tools = default_tools() if tools is None else tools
     return [Question(t, "chit-chat", reply=name_tools(REPLIES[t], tools))

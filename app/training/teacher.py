@@ -35,9 +35,8 @@ def replied(episode: Episode, reply: str, tokenizer) -> Example | None:
     `<submit>`) kept, the model's words replaced. None where the episode called a tool or did not end its answer."""
     if not episode.answered or not episode.answer or any(s.kind == "tool" for s in episode.segments):
         return None
-    who = episode.provenance
-    start = next(n for n, w in enumerate(who) if w != "user")
-    region, authors = episode.token_ids[start:], who[start:]
+    start = episode.query_end - episode.query_start  # (token_ids begin with the question)
+    region, authors = episode.token_ids[start:], episode.provenance[start:]
     end = next(n for n in range(len(region) + 1) if episode.answer in tokenizer.decode(region[:n]))
     forced = max((n + 1 for n in range(end) if authors[n] == Provenance.FORCED.value), default=0)
     head = tokenizer.decode(region[:forced])
