@@ -93,9 +93,9 @@ def test_a_grammar_llguidance_rejects_is_a_clear_error(vocab):
         vocab.check('root ::= "unclosed\n')
 
 
-def test_a_claimed_call_is_the_engines_text():
+def test_a_claimed_call_is_the_guides_opening_with_no_grammar_after_it():
     guide = claimed_guide("<request><Calculator>2 + 2<call>")
-    assert guide.opening == "<request><Calculator>2 + 2<call>"
+    assert guide.opening == "<request><Calculator>2 + 2<call>" and guide.grammar is None
 
 
 @pytest.mark.parametrize("output, ok, owed", [

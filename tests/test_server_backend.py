@@ -3,7 +3,7 @@ GGUF, on loopback. llama.cpp's output differs from the in-process float32 path, 
 (tool calls, stop reasons recorded from the server, ids, cache reuse), not token identity.
 
 Most tests run with the guide off: they check what the server writes and reports itself (with the guide on, a
-question a tool claims opens with the engine's own call, which no request carries). The guided tests send each
+question a tool claims opens with the call the guide forces, which no request carries). The guided tests send each
 segment's grammar through a recording proxy (tests/http_peers.proxy).
 
 TEXTENV_TEST_SERVER_URL runs the same checks against a server that is already running (scripts/check_vllm.sh
@@ -386,7 +386,7 @@ def test_guide_on_the_answer_begins_with_the_tools_output_and_its_tokens_say_who
     engine, httpd = proxied
     httpd.requests.clear()
     episode = engine.ask(engine.new_session(), question, GUIDED)
-    call, output, answer = episode.segments  # the call is claimed: the engine's own, no request
+    call, output, answer = episode.segments  # the call is claimed: forced, no request
     assert output.kind == "tool" and output.tool == tool and output.ok
     assert episode.answer.startswith(begins), episode.answer
     if tool == "Calculator":

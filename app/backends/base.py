@@ -35,19 +35,25 @@ class BackendError(ValueError):
 class SegmentRequest:
     """What the engine asks of one model segment beside the settings: the protocol's stop strings (a string match
     among them ends the segment, as EOS does) and its markers (special tokens shown as the segment's text,
-    segment_text), the guide's GBNF grammar (app.decoding.guide; None with the guide off), and whether to record
-    each token's log-probability (Settings.logprobs)."""
+    segment_text), the guide's forced opening ids and its GBNF grammar of what follows them (app.decoding.guide;
+    none with the guide off), and whether to record each token's log-probability (Settings.logprobs)."""
 
     stop_strings: tuple[str, ...] = ()
     shown: frozenset[int] = frozenset()
     grammar: str | None = None
     logprobs: bool = False
+    forced: tuple[int, ...] = ()  # the segment's first tokens, written as the guide's forced ones (a claimed call)
+
+    @property
+    def guided(self) -> bool:
+        """Whether the guide decides any token (each token's provenance is then recorded)."""
+        return self.grammar is not None or bool(self.forced)
 
     def blank(self) -> Segment:
         """The model segment a backend fills as it runs (its Generation fields; the engine places it at the end):
-        who chose each token where there is a grammar, and the tokens' log-probabilities where asked
+        who chose each token where the guide takes part, and the tokens' log-probabilities where asked
         (app.decoding.sampling.token_logprobs; 0.0 for a forced token)."""
-        return Segment("model", "", 0, 0, provenance=[] if self.grammar is not None else None,
+        return Segment("model", "", 0, 0, provenance=[] if self.guided else None,
                        logprobs=[] if self.logprobs else None)
 
 

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from app.backends.base import BackendStats, SegmentRequest, SegmentStream
+from app.backends.tokens import SegmentTokens
 from app.decoding.choose import choose_tokens
 from app.decoding.guide_matcher import GuideMatcher, GuideVocab
 from app.decoding.sampling import PromptLookup, token_logprobs
-from app.decoding.stops import Detokenizer, StopChecker
-from app.episode import Provenance, Stop, StopReason
+from app.decoding.stops import StopChecker
+from app.episode import Stop, StopReason
 from app.model.family import describe, fast_path_reason
 from app.model.kvcache import TokenCache
 from app.model.loading import LoadedModel
@@ -156,10 +157,10 @@ class LocalSegment:
     def __init__(self, tokenizer, lock: threading.RLock, stops: StopChecker, scheduler: Scheduler,
                  cache: TokenCache, settings: Settings, cancel: threading.Event | None, request: SegmentRequest,
                  generator: torch.Generator, guide: GuideMatcher | None):
-        self.cache, self.settings, self.cancel, self.record = cache, settings, cancel, request.blank()
-        self.generator, self.lock, self.scheduler, self.guide = generator, lock, scheduler, guide
-        self.stops, self.detok = stops.start(), Detokenizer(tokenizer, request.shown)
-        self.added = 0  # tokens the segment added: the model's and the guide's (max_new_tokens bounds them all)
+        self.cache, self.settings, self.cancel, self.opening = cache, settings, cancel, list(request.forced)
+        self.tokens = SegmentTokens(tokenizer, lock, stops, cache, settings, request)
+        self.record = self.tokens.record
+        self.generator, self.scheduler, self.guide = generator, scheduler, guide
         self.first = True  # before the segment's first pass (its prefill)
         greedy_drafts = settings.draft_tokens and settings.temperature <= 0
         self.lookup = PromptLookup(cache.ids) if greedy_drafts else None
@@ -174,8 +175,10 @@ class LocalSegment:
         self._failure: BaseException | None = None  # a failed step's error, for the segment's thread
 
     def start(self) -> None:
-        """Submit the segment's first pass (the segment's thread), or end it where the guide's forced tokens
-        already did."""
+        """Force the guide's opening, then submit the segment's first pass (the segment's thread), or end it where
+        forced tokens already did."""
+        if self.opening:  # (ahead of the grammar, which constrains what follows it)
+            self._texts.put(self.tokens.force(self.opening))
         keep = self.next_pass()
         if keep is None:
             self.ended(None)
@@ -200,18 +203,20 @@ class LocalSegment:
 
     def next_pass(self) -> int | None:
         """The next pass's drafts, added to the ids: its keep; None when the segment is over."""
-        settings, cache = self.settings, self.cache
+        cache = self.cache
         if self.record.stop is not None:
             return None
         if self._closed or (self.cancel is not None and self.cancel.is_set()):
             self._finish(Stop(StopReason.CANCELLED))
             return None
         if self.guide is not None and (forced := self.guide.forced()):  # the text the grammar fixes: no choice
-            self._texts.put(self._force(forced))
+            forced = forced[:self.tokens.room()]
+            self.guide.consume(forced)
+            self._texts.put(self.tokens.force(forced))
             if self.record.stop is not None:
                 return None
         self.base = len(cache)
-        room = min(settings.max_new_tokens - self.added, settings.max_length - self.base) - 1
+        room = self.tokens.room() - 1
         share = max(1, DRAFTS_PER_STEP // max(1, self.scheduler.rows_in_turns()))
         # (the first pass too: after a question or a tool's result the model mostly starts as the prompt's examples
         # do, "<request><", "Result = ...", so its first text comes a pass earlier)
@@ -234,7 +239,7 @@ class LocalSegment:
         if self.first:
             self.first = False
             # (neither drafts nor the tokens the guide forced before the first pass are prompt)
-            self.record.prefill_tokens = result.fed - len(drafts) - self.added
+            self.record.prefill_tokens = result.fed - len(drafts) - self.tokens.added
             self.record.cached_tokens = result.reused
         tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
                                           self.generator, self.guide, settings.top_k)
@@ -245,7 +250,7 @@ class LocalSegment:
         cache.extend(tokens[-1:])
         logprobs = None if self.record.logprobs is None else \
             token_logprobs(result.logits, tokens, settings.temperature)
-        deltas = self._take(tokens, chosen_by, self.base, logprobs)
+        deltas = self.tokens.take(tokens, chosen_by, self.base, logprobs)
         if self.lookup:
             self.lookup.sync()
         self._texts.put(deltas)
@@ -270,34 +275,3 @@ class LocalSegment:
     def _finish(self, stop: Stop) -> None:
         """The segment stops, for the reason the code that stopped it gives: its next pass is not asked for."""
         self.record.stop = stop
-
-    def _force(self, forced: list[int]) -> list[str]:
-        """Add the tokens the guide fixed (within the budget): its own, fed by the next pass."""
-        room = min(self.settings.max_new_tokens - self.added, self.settings.max_length - len(self.cache))
-        forced = forced[:room]
-        self.guide.consume(forced)
-        at = len(self.cache)
-        self.cache.extend(forced)
-        return self._take(forced, [Provenance.FORCED] * len(forced), at)
-
-    def _take(self, tokens: list[int], chosen_by: list[Provenance], at: int,
-              logprobs: list[float] | None = None) -> list[str]:
-        """The segment takes `tokens` (in the ids from position `at`): each one's text, checked in order for a
-        stop; nothing after a stop is kept. Their text deltas. `logprobs`: the tokens' own (None: forced, 0.0)."""
-        record, settings, deltas = self.record, self.settings, []
-        with self.lock:  # the tokenizer
-            for i, token in enumerate(tokens):
-                self.added += 1
-                record.generated_tokens += chosen_by[i] is not Provenance.FORCED
-                if record.provenance is not None:
-                    record.provenance.append(chosen_by[i])
-                if record.logprobs is not None:
-                    record.logprobs.append(0.0 if logprobs is None else logprobs[i])
-                deltas.append(self.detok.push(token))
-                stop = self.stops.check(token, deltas[-1], self.added, settings.max_new_tokens, at + i + 1,
-                                        settings.max_length)
-                if stop is not None:
-                    self.cache.truncate(at + i + 1)
-                    self._finish(stop)
-                    break
-        return deltas

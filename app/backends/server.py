@@ -24,12 +24,14 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Generator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from app.backends.base import BackendError, BackendStats, SegmentRequest, SegmentStream
 from app.backends.server_client import ModelServer, ServerHTTPError
+from app.backends.tokens import SegmentTokens
 from app.decoding.guide_matcher import GuideError, GuideVocab, replay
+from app.decoding.stops import StopChecker
 from app.episode import Limit, Provenance, Segment, Stop, StopReason
 from app.model.kvcache import TokenCache
 from app.model.loading import load_tokenizer, special_token_texts
@@ -217,6 +219,7 @@ class ServerBackend:
         self.lock = threading.RLock()
         self._warmed: OrderedDict[int, None] = OrderedDict()  # hashes of the prompts prefill() sent
         self._warm_lock = threading.Lock()
+        self._stops: dict[tuple[str, ...], StopChecker] = {}  # by stop strings (a protocol's), built once each
         self.context_limit = context_limit
         self.parallel = server_parallel()
         self.shares_prefix = False  # the server holds the keys/values (and shares the prefix in its own cache)
@@ -277,18 +280,34 @@ class ServerBackend:
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     request: SegmentRequest, generator: torch.Generator) -> SegmentStream:
-        record = replace(request.blank(), prefill_tokens=None, cached_tokens=None)  # (until the server reports them)
-        return SegmentStream(self._deltas(cache, settings, cancel, request, record), record)
+        tokens = SegmentTokens(self.tokenizer, self.lock, self.stops(request.stop_strings), cache, settings, request)
+        return SegmentStream(self._deltas(cache, settings, cancel, request, tokens), tokens.record)
+
+    def stops(self, strings: tuple[str, ...]) -> StopChecker:
+        """The stop check of forced tokens (the server checks its own), by the protocol's stop strings."""
+        with self.lock:
+            checker = self._stops.get(strings)
+            if checker is None:
+                checker = self._stops[strings] = StopChecker(strings, frozenset())
+            return checker
 
     def _deltas(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
-                request: SegmentRequest, record: Segment) -> Generator[str, None, None]:
-        """The completion's text as the server streams it; `record` (this backend's own) takes its tokens, counts
-        and stop as they come."""
-        start, room = len(cache), settings.max_length - len(cache)
-        max_tokens = min(settings.max_new_tokens, room)
-        limit = Limit.MAX_LENGTH if room <= settings.max_new_tokens else Limit.MAX_NEW_TOKENS
+                request: SegmentRequest, tokens: SegmentTokens) -> Generator[str, None, None]:
+        """The segment's text: the guide's opening, forced here (a claimed call, a whole reply, never reaches the
+        server), then the completion as the server streams it; `tokens.record` (this backend's own) takes the
+        tokens, counts and stop as they come."""
+        record, start = tokens.record, len(cache)
+        if request.forced:
+            yield "".join(tokens.force(list(request.forced)))
+            if record.stop is not None:
+                return
+        record.prefill_tokens = record.cached_tokens = None  # (until the server reports them)
+        begin, room = len(cache), settings.max_length - len(cache)
+        budget = settings.max_new_tokens - tokens.added
+        max_tokens = min(budget, room)
+        limit = Limit.MAX_LENGTH if room <= budget else Limit.MAX_NEW_TOKENS
         # a seed per position: reproducible, yet each segment samples differently
-        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + start) % 2**32, request.grammar,
+        body = self.dialect.request(cache.ids, settings, max_tokens, (settings.seed + begin) % 2**32, request.grammar,
                                     request.stop_strings)
         texts: list[str] = []
         exact = True  # every generated id came back (llama.cpp skips those of a character split across tokens)
@@ -313,15 +332,16 @@ class ServerBackend:
                 raise BackendError(f"model server {self.server.url} ended the stream before the completion ended")
             ended = True
         except BackendError:
-            cache.truncate(start)  # the failed segment leaves no tokens: the session is as before it
-            record.stop, record.generated_tokens = Stop(StopReason.ERROR), 0
+            _failed(cache, start, record)  # the failed segment leaves no tokens: the session is as before it
             raise
         finally:
             if record.stop is None or record.stop.reason is not StopReason.ERROR:
                 if not exact:
-                    self._retokenize(cache, start, "".join(texts), max_tokens)
+                    self._retokenize(cache, begin, "".join(texts), max_tokens)
                 if request.grammar is not None:  # (closed by its reader too: every token kept has its provenance)
-                    self._replay(cache, start, request.grammar, record, raise_error=ended)
+                    self._replay(cache, start, begin, request.grammar, record, raise_error=ended)
+                elif record.provenance is not None:  # an opening without a grammar: the rest is the model's
+                    record.provenance += [Provenance.MODEL] * (len(cache) - begin)
         if record.stop is None:
             record.stop = Stop(StopReason.CANCELLED)
 
@@ -345,23 +365,23 @@ class ServerBackend:
             # (the tokenizer's own EOS ends a grammar's text, as a completion)
             return GuideVocab(self.tokenizer, lock=self.lock)
 
-    def _replay(self, cache: TokenCache, start: int, grammar: str, record: Segment, raise_error: bool) -> None:
-        """Who chose each token the server added (record.provenance), by the segment's grammar: forced where it fixed
-        the next text, else the model's; whether the grammar steered a token the server does not say. Tokens that
-        break the grammar mean the server did not apply it: the segment fails (rolled back), with a BackendError
-        where `raise_error` (not while its reader closes it)."""
+    def _replay(self, cache: TokenCache, start: int, begin: int, grammar: str, record: Segment,
+                raise_error: bool) -> None:
+        """Who chose each token the server added from `begin` on (record.provenance, after the opening's), by the
+        segment's grammar: forced where it fixed the next text, else the model's; whether the grammar steered a
+        token the server does not say. Tokens that break the grammar mean the server did not apply it: the segment
+        (from `start`) fails, rolled back, with a BackendError where `raise_error` (not while its reader closes it)."""
         try:
-            chosen_by = replay(self.guide_vocab, grammar, cache.ids[start:])
+            chosen_by = replay(self.guide_vocab, grammar, cache.ids[begin:])
         except GuideError as error:
-            cache.truncate(start)
-            record.stop, record.generated_tokens = Stop(StopReason.ERROR), 0
+            _failed(cache, start, record)
             message = (f"the model server {self.server.url} did not apply the guide's grammar ({error}): a server "
                        f"that ignores grammars cannot give guided answers; switch guided answers off to use it")
             if raise_error:
                 raise BackendError(message) from None
             log.warning("%s", message)
             return
-        record.provenance = chosen_by
+        record.provenance = record.provenance[:begin - start] + chosen_by
         record.steered_known = False
         record.generated_tokens = sum(p is not Provenance.FORCED for p in chosen_by)
 
@@ -396,6 +416,15 @@ class ServerBackend:
                     self.server.url)
         cache.truncate(start)
         cache.extend(ids)
+
+
+def _failed(cache: TokenCache, start: int, record: Segment) -> None:
+    """A failed segment leaves no tokens (the session is as before it), and its record says so."""
+    cache.truncate(start)
+    record.stop, record.generated_tokens = Stop(StopReason.ERROR), 0
+    for kept in (record.provenance, record.logprobs):
+        if kept is not None:
+            kept.clear()
 
 
 def detect_kind(server: ModelServer) -> str:

@@ -16,10 +16,11 @@ TEXT_RULE = 'text ::= ([^\\n<] | "<" [ 0-9=])*'
 
 @dataclass(frozen=True)
 class Guide:
-    """One segment's guide: `grammar` (GBNF) of what the model may write, or `opening`, a whole reply the engine
-    writes itself (a claimed call, ending with a stop string: the model does not run)."""
+    """One segment's guide: `opening`, text the segment starts with, every token forced (a claimed call: a whole reply
+    that ends with a stop string, so the model does not run), and `grammar` (GBNF) of what the model may write after
+    it (None: nothing to constrain)."""
 
-    grammar: str
+    grammar: str | None
     opening: str = ""
 
 
@@ -43,8 +44,8 @@ def literal(text: str) -> str:
 
 
 def claimed_guide(call: str) -> Guide:
-    """The guide of a reply whose call a tool claims: the engine writes the whole call."""
-    return Guide("root ::= " + literal(""), call)
+    """The guide of a reply whose call a tool claims: the whole call is forced."""
+    return Guide(None, call)
 
 
 def owed_text(output: str, ok: bool, answer) -> str | None:

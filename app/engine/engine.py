@@ -12,11 +12,10 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, closing
 from dataclasses import replace
 from itertools import count
-from typing import Generator
 
 from transformers import DynamicCache
 
@@ -25,8 +24,8 @@ from app.decoding.guide import Guide
 from app.decoding.stops import Holdback, segment_text, tokens_before
 from app.engine.rows import Row, stream_rows
 from app.engine.session import Session
-from app.episode import (Episode, EpisodeFinished, Event, Limit, Provenance, Segment, SegmentFinished,
-                         SegmentStarted, Stop, StopReason, TextDelta)
+from app.episode import (Episode, EpisodeFinished, Event, Limit, Segment, SegmentFinished, SegmentStarted, Stop,
+                         StopReason, TextDelta)
 from app.model.kvcache import TokenCache, kv_nbytes
 from app.protocols import PromptError, Protocol, ToolCall, ToolCallError, make_protocol
 from app.protocols.base import encode
@@ -232,7 +231,7 @@ class Engine:
         return None
 
     def _opening_ids(self, text: str) -> list[int]:
-        """The ids of text the engine writes into a model segment (a claimed call), tokenized as untrusted text."""
+        """The ids of a guide's opening (a claimed call), tokenized as untrusted text: the backend forces them."""
         with self.backend.lock:
             return encode(self.backend.tokenizer, text)
 
@@ -240,8 +239,9 @@ class Engine:
                        cancel: threading.Event | None, guide: Guide | None = None) -> Generator[Event, None, Segment]:
         cache = session.cache
         start, began = len(cache), time.perf_counter()
+        opening = tuple(self._opening_ids(guide.opening)) if guide is not None and guide.opening else ()
         request = SegmentRequest(self.protocol.stop_strings, self.protocol.marker_ids,
-                                 guide.grammar if guide else None, settings.logprobs)
+                                 guide.grammar if guide else None, settings.logprobs, opening)
         segment = request.blank()  # what the segment did: the backend's to fill once it runs, placed here at the end
         yield SegmentStarted("model")
         try:
@@ -249,16 +249,11 @@ class Engine:
                 segment.stop = Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_LENGTH)
             else:
                 stream = Holdback(self.protocol.cut_stops)  # text that may start a cut stop waits for the next token
-                if guide is not None and guide.opening:  # a claimed call: the engine writes the whole reply
-                    segment = self._write(cache, guide.opening, request)
-                    yield from _shown(stream, [guide.opening])
-                    segment.stop = Stop(StopReason.STRING_MATCH, string=self._ending(guide.opening))
-                else:
-                    running = self.backend.run_segment(cache, settings, cancel, request, session.generator)
-                    segment = running.segment
-                    # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
-                    with closing(running.deltas) as deltas:
-                        yield from _shown(stream, deltas)
+                running = self.backend.run_segment(cache, settings, cancel, request, session.generator)
+                segment = running.segment
+                # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
+                with closing(running.deltas) as deltas:
+                    yield from _shown(stream, deltas)
                 end = None
                 if segment.stop is not None and segment.stop.string in self.protocol.cut_stops:
                     end = self._cut(cache, start, segment.stop.string)  # not part of the answer
@@ -270,21 +265,6 @@ class Engine:
             episode.segments.append(segment)
         yield SegmentFinished(segment)
         return segment
-
-    def _write(self, cache: TokenCache, text: str, request: SegmentRequest) -> Segment:
-        """Append a reply the engine writes itself (a claimed call: app.decoding.guide's `opening`), every token
-        forced, and return its segment (its stop: once its text is shown)."""
-        ids = self._opening_ids(text)
-        cache.extend(ids)
-        return Segment("model", "", 0, 0, provenance=[Provenance.FORCED] * len(ids),
-                       logprobs=[0.0] * len(ids) if request.logprobs else None)
-
-    def _ending(self, text: str) -> str:
-        """The stop string a reply the engine writes ends with: generation stops there (claimed_call)."""
-        ending = next((s for s in self.protocol.stop_strings if text.endswith(s)), None)
-        if ending is None:
-            raise ValueError(f"a guide's opening is a whole reply and ends with a stop string: {text!r}")
-        return ending
 
     def _cut(self, cache: TokenCache, start: int, string: str) -> int:
         """Drop a cut stop string, which the backend kept like every stop string, and the blank space before it

@@ -17,7 +17,7 @@ end ::= {literal(SUBMIT)}?"""
 
 
 def build_guide(tools: Mapping[str, int], owed: str | None = None, calls: bool = True,
-                after_tool: bool = False, opening: str = "") -> Guide:
+                after_tool: bool = False) -> Guide:
     """The guide of one model segment. `tools`: the session's tool names and the longest input each takes;
     `owed`: the tool output the answer line begins with (after a tool); `calls`: whether another call may run
     (max_turns); `after_tool`: the segment follows a tool's `<response>` (its reply may start on a new line)."""
@@ -35,7 +35,7 @@ def build_guide(tools: Mapping[str, int], owed: str | None = None, calls: bool =
         calls_ = " | ".join(f"{literal(REQUEST + '<' + name + '>')} input{i}" for i, name in enumerate(names))
         lines.append(f"call ::= ({calls_}) {literal(chr(10))}? {literal(CALL)}")
         lines += [f"input{i} ::= [^\\n<]{{1,{max(1, tools[name])}}}" for i, name in enumerate(names)]
-    return Guide("\n".join(lines) + "\n" + _RULES + "\n", opening)
+    return Guide("\n".join(lines) + "\n" + _RULES + "\n")
 
 
 def segment_guide(tools: Mapping[str, Tool], claimed: str | None, after: Segment | None, calls: bool) -> Guide:

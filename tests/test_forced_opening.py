@@ -1,0 +1,90 @@
+"""A guide's opening (SegmentRequest.forced: a claimed call) enters the ids through the backend, as the grammar's
+forced tokens do: every token forced, the stop from the backend's stop check, and the model goes on after it where
+no stop ended it. Both backends: in process (a model that writes planned tokens) and a model server (a loopback
+peer answering as llama.cpp's server)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from app.backends.base import SegmentRequest
+from app.backends.server import LlamaCpp, ServerBackend
+from app.backends.server_client import ModelServer
+from app.engine.engine import Engine
+from app.episode import Provenance, StopReason
+from app.protocols.base import encode
+from app.protocols.textenv.markers import SUBMIT
+from app.settings import Settings
+from tests.conftest import forced, plan_text, prime
+from tests.http_peers import serve
+
+SETTINGS = Settings(max_new_tokens=40, draft_tokens=0).validated(4096)
+STOPS = (SUBMIT,)
+
+
+def run(backend, cache, opening: str):
+    """One segment whose opening is `opening`: its streamed text and its record."""
+    with backend.lock:
+        ids = tuple(encode(backend.tokenizer, opening))
+    stream = backend.run_segment(cache, SETTINGS, None, SegmentRequest(STOPS, forced=ids), torch.Generator())
+    return "".join(stream.deltas), stream.segment, len(ids)
+
+
+def test_in_process_a_whole_reply_is_forced_and_no_pass_runs(tiny_llama, tokenizer):
+    backend = forced(tiny_llama, plan_text(tokenizer, (0, "never")))
+    session = prime(Engine(backend))
+    start, steps = len(session.cache), backend.scheduler.stats.steps
+    text, segment, n = run(backend, session.cache, "<request><Calculator>2 + 2<call>" + SUBMIT)
+    assert text == "<request><Calculator>2 + 2<call>" + SUBMIT
+    assert segment.stop.reason is StopReason.STRING_MATCH and segment.stop.string == SUBMIT
+    assert segment.provenance == [Provenance.FORCED] * n and segment.generated_tokens == 0
+    assert len(session.cache) == start + n and backend.scheduler.stats.steps == steps  # the model never ran
+
+
+def test_in_process_the_model_goes_on_after_an_opening(tiny_llama, tokenizer):
+    backend = forced(tiny_llama, plan_text(tokenizer, (0, " 5" + SUBMIT)))
+    session = prime(Engine(backend))
+    text, segment, n = run(backend, session.cache, "Result =")
+    written = len(encode(tokenizer, " 5" + SUBMIT))
+    assert text == "Result = 5" + SUBMIT and segment.stop.string == SUBMIT
+    assert segment.provenance == [Provenance.FORCED] * n + [Provenance.MODEL] * written
+    assert segment.generated_tokens == written
+
+
+def llama_stream(tokenizer, text: str) -> bytes:
+    ids = encode(tokenizer, text + SUBMIT)
+    events = [{"content": text, "tokens": ids, "stop": False, "tokens_predicted": len(ids)},
+              {"content": "", "tokens": [], "stop": True, "stop_type": "word", "stopping_word": SUBMIT,
+               "tokens_predicted": len(ids), "timings": {"prompt_n": 5, "cache_n": 0}}]
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def test_on_a_server_a_whole_reply_is_forced_here_and_no_request_is_sent(server_tokenizer):
+    requests = []
+    httpd, url = serve(llama_stream(server_tokenizer, "never"), requests=requests)
+    with httpd:
+        backend = ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096)
+        session = Engine(backend).new_session(use_cache=False)
+        text, segment, n = run(backend, session.cache, "<request><Calculator>2 + 2<call>" + SUBMIT)
+        httpd.shutdown()
+    assert text.endswith(SUBMIT) and segment.stop.string == SUBMIT and not requests
+    assert segment.provenance == [Provenance.FORCED] * n and segment.generated_tokens == 0
+    assert segment.prefill_tokens == segment.cached_tokens == 0
+
+
+def test_on_a_server_the_completion_goes_on_after_an_opening(server_tokenizer):
+    requests = []
+    httpd, url = serve(llama_stream(server_tokenizer, " 5"), requests=requests)
+    with httpd:
+        backend = ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096)
+        session = Engine(backend).new_session(use_cache=False)
+        text, segment, n = run(backend, session.cache, "Result =")
+        httpd.shutdown()
+    (sent,) = requests
+    written = len(encode(server_tokenizer, " 5" + SUBMIT))
+    assert sent["prompt"][-n:] == list(encode(server_tokenizer, "Result =")) and sent["n_predict"] == 40 - n
+    assert text == "Result = 5" + SUBMIT and segment.stop.string == SUBMIT
+    assert segment.provenance == [Provenance.FORCED] * n + [Provenance.MODEL] * written
+    assert segment.generated_tokens == written and segment.prefill_tokens == 5
