@@ -1,4 +1,4 @@
-"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.model.scheduler). Every thread
+"""Which threads run PyTorch's parallel kernels: only the model's scheduler thread (app.backends.scheduler). Every thread
 that runs a parallel kernel gets its own OpenMP pool, and more pool threads than cores slows small kernels everywhere,
 so every thread starts with one intra-op thread (OMP_NUM_THREADS=1) and the scheduler's alone takes MODEL_THREADS
 (docs/performance.md)."""

@@ -78,14 +78,25 @@ def test_drafts_need_fewer_forward_passes(engine, monkeypatch):
     assert passes[1] < passes[0]
 
 
+def record_keeps(monkeypatch) -> list[int | None]:
+    """Every pass's keep (its drafts + 1) as the rows give them, from their start and after each pass."""
+    from app.backends.row import Row
+
+    keeps: list[int | None] = []
+    for name in ("begin", "update"):
+        real = getattr(Row, name)
+        monkeypatch.setattr(Row, name, lambda self, *args, real=real: (keeps.append((step := real(self, *args)).keep),
+                                                                       step)[1])
+    return keeps
+
+
 def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
-    """Eight rows at once share one step's drafts (app.backends.local.DRAFTS_PER_STEP): each drafts at most 2."""
-    from app.backends.local import DRAFTS_PER_STEP, LocalSegment
+    """Eight rows at once share one step's drafts (app.backends.row.DRAFTS_PER_STEP): each drafts at most 2."""
+    from app.backends.row import DRAFTS_PER_STEP
 
     scheduler = engine.backend.scheduler
     plain = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40))
-    keeps, next_pass = [], LocalSegment.next_pass
-    monkeypatch.setattr(LocalSegment, "next_pass", lambda steps: (keeps.append(keep := next_pass(steps)), keep)[1])
+    keeps = record_keeps(monkeypatch)
     monkeypatch.setattr(scheduler, "rows_in_turns", lambda: 8)
     busy = engine.ask(engine.new_session(), QUESTIONS[1], Settings(max_new_tokens=40, draft_tokens=8))
     assert busy.token_ids == plain.token_ids
@@ -99,10 +110,7 @@ def test_rows_draft_less_when_many_share_the_step(engine, monkeypatch):
 def test_a_segments_first_pass_drafts_too(engine, monkeypatch):
     """After a question the model starts as the prompt's examples do ("<request><..."): the prefill pass verifies
     drafts, so the first text comes a pass earlier (8 questions at once: ~110-120 ms to first text -> ~100)."""
-    from app.backends.local import LocalSegment
-
-    keeps, next_pass = [], LocalSegment.next_pass
-    monkeypatch.setattr(LocalSegment, "next_pass", lambda steps: (keeps.append(keep := next_pass(steps)), keep)[1])
+    keeps = record_keeps(monkeypatch)
     episode = engine.ask(engine.new_session(), QUESTIONS[0], Settings(max_new_tokens=40, draft_tokens=8))
     assert keeps[0] > 1
     assert episode.segments[0].text.startswith("<request><Calculator>")

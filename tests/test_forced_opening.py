@@ -1,12 +1,14 @@
-"""A guide's opening (SegmentRequest.forced: a claimed call) enters the ids through the backend, as the grammar's
-forced tokens do: every token forced, the stop from the backend's stop check, and the model goes on after it where
-no stop ended it. Both backends: in process (a model that writes planned tokens) and a model server (a loopback
-peer answering as llama.cpp's server)."""
+"""A model segment as a backend returns it (SegmentStream: its result once its deltas are over), and a guide's
+opening (SegmentRequest.forced: a claimed call), which enters the ids through the backend as the grammar's forced
+tokens do: every token forced, the stop from the backend's stop check, and the model goes on after it where no stop
+ended it. Both backends: in process (a model that writes planned tokens) and a model server (a loopback peer
+answering as llama.cpp's server)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from app.backends.base import SegmentRequest
@@ -29,7 +31,20 @@ def run(backend, cache, opening: str):
     with backend.lock:
         ids = tuple(encode(backend.tokenizer, opening))
     stream = backend.run_segment(cache, SETTINGS, None, SegmentRequest(STOPS, forced=ids), torch.Generator())
-    return "".join(stream.deltas), stream.segment, len(ids)
+    return "".join(stream.deltas), stream.result(), len(ids)
+
+
+def test_a_segments_result_is_read_once_its_deltas_are_over(tiny_llama, tokenizer):
+    backend = forced(tiny_llama, plan_text(tokenizer, (0, "hello there, my friend")))
+    session = prime(Engine(backend))
+    stream = backend.run_segment(session.cache, SETTINGS, None, SegmentRequest(STOPS), torch.Generator())
+    with pytest.raises(RuntimeError, match="once its deltas are over"):
+        stream.result()
+    next(stream.deltas)
+    with pytest.raises(RuntimeError, match="once its deltas are over"):
+        stream.result()
+    stream.deltas.close()
+    assert stream.result().stop.reason is StopReason.CANCELLED and session.cache.check() is None
 
 
 def test_in_process_a_whole_reply_is_forced_and_no_pass_runs(tiny_llama, tokenizer):

@@ -1,5 +1,5 @@
-"""The batched scheduler (app.model.scheduler, app.model.ragged): rows that share forward passes get exactly what each would
-get alone, whatever joins, leaves, fails or is cancelled beside them."""
+"""The batched scheduler (app.backends.scheduler, app.model.ragged): rows that share forward passes get exactly what
+each would get alone, whatever joins, leaves, fails or is cancelled beside them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import time
 import pytest
 import torch
 
-from app.decoding.stops import StopReason
+from app.backends import scheduler as scheduler_module
+from app.backends.base import SegmentRequest
+from app.backends.row import Row, RowStep
+from app.backends.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, Scheduler, plan_step
+from app.backends.tokens import SegmentTokens
+from app.decoding.stops import StopChecker
 from app.engine.engine import Engine
-from app.episode import EpisodeFinished, Limit, TextDelta
-from app.model import scheduler as scheduler_module
+from app.episode import EpisodeFinished, Limit, Stop, StopReason, TextDelta
 from app.model.kvcache import TokenCache
-from app.model.scheduler import CHUNK_ALONE, CHUNK_BESIDE_DECODE, Cancelled, PassResult, Scheduler, plan_step
 from app.settings import Settings
 from app.tools.base import Tool
 from app.tools.registry import default_tools
@@ -370,9 +373,9 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     question went through a step alone (~150 ms on the real model) while the other seven were a few ms behind.
     The batch now opens its rows' scopes before any starts; a long gather wait makes the check independent of
     thread timing."""
-    import app.model.scheduler
+    import app.backends.scheduler
 
-    monkeypatch.setattr(app.model.scheduler, "GATHER_S", 5.0)
+    monkeypatch.setattr(app.backends.scheduler, "GATHER_S", 5.0)
     engine = Engine(tiny_llama)
     engine.ask(engine.new_session(), "warm up", Settings(max_new_tokens=2, max_turns=0))
     steps: list[int] = []
@@ -385,39 +388,34 @@ def test_a_batchs_rows_prefill_their_questions_in_one_step(tiny_llama, monkeypat
     assert scheduler.rows_in_turns() == 0  # every row's scope was left
 
 
-def test_a_request_with_an_owner_runs_its_passes_in_the_schedulers_thread_and_fails_alone(tiny_llama):
-    """submit(..., owner=...): after each pass the scheduler's thread tells the owner the pass's result (a decoding
-    row's per-token work) and runs the next pass in a later step without the row's thread; the greedy tokens are a
-    solo run's. An owner that raises ends its own request with that error while a row beside it goes on; each owner
-    is told once that its request ended, with its error."""
+def test_a_rows_passes_run_in_the_schedulers_thread_and_a_failing_row_fails_alone(tiny_llama, monkeypatch):
+    """submit(..., row): after each pass the scheduler updates the row from the pass's result in its own thread and
+    runs the next pass in a later step without the row's thread; the greedy tokens are a solo run's. A row whose
+    update raises ends its own request with that error (its stream raises it, its record says so, its pass's tokens
+    are undone) while a row beside it goes on."""
     scheduler = Scheduler(tiny_llama.model)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     want = greedy_steps(lambda c: c.forward(tiny_llama.model), prompts[0], 6)[0]
-    caches, got, threads, ended = [TokenCache(ids) for ids in prompts], [], [], []
+    caches = [TokenCache(ids) for ids in prompts]
+    settings = Settings(max_new_tokens=6, draft_tokens=0).validated(4096)
+    threads, update = set(), Row.update
 
-    class Owner:
-        def __init__(self, row: int):
-            self.row = row
+    def failing_update(row: Row, *args) -> RowStep:
+        threads.add(threading.current_thread())
+        if row.cache is caches[1] and len(caches[1]) > 5:
+            raise RuntimeError("this row's work failed")
+        return update(row, *args)
 
-        def passed(self, result: PassResult) -> int | None:
-            assert threading.current_thread() is scheduler.thread
-            if self.row == 1 and len(caches[1]) > 5:
-                raise RuntimeError("this row's work failed")
-            token = int(result.logits[-1].argmax())
-            (got if self.row == 0 else threads).append(token)
-            caches[self.row].extend([token])
-            return None if self.row == 0 and len(got) == 6 else 1
-
-        def ended(self, error: BaseException | None) -> None:
-            ended.append((self.row, type(error).__name__))
-
-    requests = [scheduler.submit(caches[row], 1, owner=Owner(row)) for row in (0, 1)]
-    for request in requests:
-        request.done.wait(60)
-    assert got == want and requests[0].error is None
-    assert isinstance(requests[1].error, RuntimeError) and sorted(ended) == [(0, "NoneType"), (1, "RuntimeError")]
+    monkeypatch.setattr(Row, "update", failing_update)
+    rows = [Row(SegmentTokens(tiny_llama.tokenizer, tiny_llama.lock, StopChecker((), frozenset()), cache, settings,
+                              SegmentRequest()), settings, None, torch.Generator(), None) for cache in caches]
+    requests = [scheduler.submit(cache, row.begin(1).keep, row=row) for cache, row in zip(caches, rows)]
+    "".join(requests[0].stream())
     with pytest.raises(RuntimeError, match="this row's work failed"):
-        requests[1].result()
+        "".join(requests[1].stream())
+    assert caches[0].ids[len(prompts[0]):] == want and threads == {scheduler.thread}
+    assert rows[0].record.stop == Stop(StopReason.MAX_LENGTH, limit=Limit.MAX_NEW_TOKENS)
+    assert rows[1].record.stop.reason is StopReason.ERROR and len(caches[1]) == 6  # (3 tokens before the failure)
     caches[0].check()
     scheduler.release()
 

@@ -3,7 +3,7 @@ short by an error still says what it did; a failure in one row's per-token work 
 
 from __future__ import annotations
 
-import app.backends.local as local
+import app.backends.row as row
 from app.engine.engine import Engine
 from app.episode import Provenance, StopReason
 from app.settings import Settings
@@ -15,7 +15,7 @@ def test_a_failure_in_one_rows_token_work_ends_that_row_alone(tiny_llama, monkey
     engine = Engine(tiny_llama)
     settings = Settings(max_new_tokens=8, max_turns=0, guide=False)
     alone = engine.run(["Say something."], settings)[0]
-    real, calls = local.choose_tokens, []
+    real, calls = row.choose_tokens, []
 
     def choose(logits, drafts, temperature, top_p, generator, *rest):
         if generator.initial_seed() == 1:  # (row 1: seed + 1)
@@ -24,7 +24,7 @@ def test_a_failure_in_one_rows_token_work_ends_that_row_alone(tiny_llama, monkey
                 raise RuntimeError("sampling failed (simulated)")
         return real(logits, drafts, temperature, top_p, generator, *rest)
 
-    monkeypatch.setattr(local, "choose_tokens", choose)
+    monkeypatch.setattr(row, "choose_tokens", choose)
     mine, failed = engine.run(["Say something.", "Say something else."], settings)
     assert mine.token_ids == alone.token_ids and mine.error is None
     assert failed.error == "sampling failed (simulated)"
@@ -34,9 +34,9 @@ def test_a_failure_in_one_rows_token_work_ends_that_row_alone(tiny_llama, monkey
         failed.query_end - failed.query_start)
 
 
-def test_a_claimed_call_is_the_engines_own_reply(tiny_llama):
-    """A call a tool claims is written by the engine, every token forced (log-probability 0.0), and ends at its
-    stop string; the model runs only after the tool."""
+def test_a_claimed_call_is_the_guides_forced_reply(tiny_llama):
+    """A call a tool claims is the guide's opening, every token forced (log-probability 0.0), and ends at its stop
+    string (the backend's stop check); the model runs only after the tool."""
     engine = Engine(tiny_llama)
     episode = engine.ask(engine.new_session(), "What is 2 + 2?",
                          Settings(max_new_tokens=32, max_turns=1, guide=True, logprobs=True))

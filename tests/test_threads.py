@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # of the scheduler's passes ran with.
 PROBE = ("import os; os.environ['MODEL_THREADS'] = '2'; os.environ.pop('OMP_NUM_THREADS', None);"
          "import threading, app, torch, transformers as t; import app.model.ragged as ragged;"
-         "from app.model.scheduler import Scheduler; from app.model.kvcache import TokenCache;"
+         "from app.backends.scheduler import Scheduler; from app.model.kvcache import TokenCache;"
          "m = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,"
          " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval();"
          "seen = []; run = ragged.ragged_forward;"
@@ -84,7 +84,7 @@ def test_the_scheduler_thread_ends_when_released_and_a_later_pass_starts_another
     """Regression: a process that ran two models (a benchmark of two formats) kept two scheduler threads, so two
     OpenMP pools, and the second model's small kernels ran ~2x slower."""
     from app.model.kvcache import TokenCache
-    from app.model.scheduler import Scheduler
+    from app.backends.scheduler import Scheduler
 
     scheduler = Scheduler(tiny_llama())
     logits, _, _ = scheduler.forward(TokenCache([1, 2, 3]))

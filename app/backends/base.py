@@ -57,14 +57,20 @@ class SegmentRequest:
                        logprobs=[] if self.logprobs else None)
 
 
-@dataclass(frozen=True)
 class SegmentStream:
-    """One model segment as it runs, as the backend returns it: `deltas`, its text as it comes, and `segment`, the
-    one record of what it did, filled by the backend until `deltas` is over (read to its end, closed, or failed),
-    then the engine's to place, so that a segment cut short by Stop or an error still says what it did."""
+    """One model segment as it runs, as the backend returns it: `deltas`, its text as it comes, and `result()`, the
+    record of what it did, once `deltas` is over (read to its end, closed, or failed), so that a segment cut short
+    by Stop or an error still says what it did. Until then the record is the backend's, and asking is an error."""
 
-    deltas: Generator[str, None, None]
-    segment: Segment
+    __slots__ = ("deltas", "_record")
+
+    def __init__(self, deltas: Generator[str, None, None], record: Segment):
+        self.deltas, self._record = deltas, record
+
+    def result(self) -> Segment:
+        if self.deltas.gi_frame is not None:  # (a generator's frame is gone once it returned, raised or was closed)
+            raise RuntimeError("a segment's result is read once its deltas are over")
+        return self._record
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,7 @@ class Backend(Protocol):
     def turn_scope(self) -> AbstractContextManager[None]:
         """Brackets one turn, from its question to its answer (tool runs included): in process, the model's next
         step waits a moment for a turn that is about to ask for a pass, so turns that start together prefill
-        together (app.model.scheduler.Scheduler.turn)."""
+        together (app.backends.scheduler.Scheduler.turn)."""
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     request: SegmentRequest, generator: torch.Generator) -> SegmentStream:

@@ -1,41 +1,30 @@
 """The model in this process: one model segment is a series of forward passes over the session's TokenCache
 (only uncached tokens are fed), sampling or verified prompt-lookup drafts, and a per-token stop check. The
-per-token work runs in the model scheduler's thread right after each pass (LocalSegment), as a serving engine's
-loop does; the segment's own thread streams the text."""
+per-token work runs in the model scheduler's thread right after each pass (app.backends.row.Row), as a serving
+engine's loop does; the segment's own thread streams the text."""
 
 from __future__ import annotations
 
 import functools
-import logging
-import queue
 import threading
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
 from app.backends.base import BackendStats, SegmentRequest, SegmentStream
+from app.backends.row import Row
+from app.backends.scheduler import Scheduler
 from app.backends.tokens import SegmentTokens
-from app.decoding.choose import choose_tokens
-from app.decoding.guide_matcher import GuideMatcher, GuideVocab
-from app.decoding.sampling import PromptLookup, token_logprobs
+from app.decoding.guide_matcher import GuideVocab
 from app.decoding.stops import StopChecker
-from app.episode import Stop, StopReason
 from app.model.family import describe, fast_path_reason
 from app.model.kvcache import TokenCache
 from app.model.loading import LoadedModel
-from app.model.scheduler import Cancelled, PassResult, Scheduler
 
 if TYPE_CHECKING:
     from app.settings import Settings
-
-log = logging.getLogger(__name__)
-
-# Draft tokens one step verifies across its rows: each row drafts at most DRAFTS_PER_STEP // rows. A verified token
-# costs about the same in any batch while a row's share of a step shrinks as rows join, so a draft pays alone even
-# when rarely accepted and in a full batch only when likely (the values tried: docs/concurrency.md).
-DRAFTS_PER_STEP = 16
 
 
 class LocalBackend:
@@ -123,155 +112,28 @@ class LocalBackend:
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     request: SegmentRequest, generator: torch.Generator) -> SegmentStream:
-        """The segment's passes go through the scheduler with their per-token work (LocalSegment) done in its
-        thread right after each pass; the deltas stream the text they queue, in the caller's thread."""
+        """The segment's row (its per-token state) begins here; its passes go through the scheduler, which updates
+        it in its thread right after each pass; the deltas stream the text it queues, in the caller's thread."""
         guide = None if request.grammar is None else self.guide_vocab.matcher(request.grammar)
-        row = LocalSegment(self.tokenizer, self.lock, self.stops(request.stop_strings), self.scheduler, cache,
-                           settings, cancel, request, generator, guide)
-        return SegmentStream(self._deltas(row, cache, settings), row.record)
+        tokens = SegmentTokens(self.tokenizer, self.lock, self.stops(request.stop_strings), cache, settings, request)
+        row = Row(tokens, settings, cancel, generator, guide, request.forced)
+        return SegmentStream(self._deltas(row, cache, settings, cancel), tokens.record)
 
-    @staticmethod
-    def _deltas(row: LocalSegment, cache: TokenCache, settings: Settings) -> Generator[str, None, None]:
+    def _deltas(self, row: Row, cache: TokenCache, settings: Settings,
+                cancel: threading.Event | None) -> Generator[str, None, None]:
         if not settings.use_cache:
             cache.drop_kv()
         try:
-            row.start()
+            first = row.begin(self.scheduler.rows_in_turns())
+            request = None if first.keep is None else self.scheduler.submit(cache, first.keep, cancel, row)
             try:
-                yield from row.stream()
+                yield from filter(None, first.deltas)
+                if request is not None:
+                    yield from request.stream()
             except GeneratorExit:  # closed before its end (Stop in the page): the row ends, the ids this thread's
-                row.close()
+                if request is not None:
+                    request.close()
                 raise
         finally:
             if not settings.use_cache:
                 cache.drop_kv()
-
-
-class LocalSegment:
-    """One model segment's per-row state between its passes: the tokens the model agrees with (drafts) and its own
-    next one, the guide's forced tokens, their text, the stop check, the next drafts. The scheduler's RowOwner: it
-    runs in the scheduler's thread right after each pass (`passed`), as a serving engine's loop does, so the row is
-    in the next step without waking its thread, and once when the request is over (`ended`); the segment's thread
-    reads the text from `stream()`. Its `record` (the model Segment it fills) takes each stop from the code that
-    stopped the segment (`_finish`)."""
-
-    def __init__(self, tokenizer, lock: threading.RLock, stops: StopChecker, scheduler: Scheduler,
-                 cache: TokenCache, settings: Settings, cancel: threading.Event | None, request: SegmentRequest,
-                 generator: torch.Generator, guide: GuideMatcher | None):
-        self.cache, self.settings, self.cancel, self.opening = cache, settings, cancel, list(request.forced)
-        self.tokens = SegmentTokens(tokenizer, lock, stops, cache, settings, request)
-        self.record = self.tokens.record
-        self.generator, self.scheduler, self.guide = generator, scheduler, guide
-        self.first = True  # before the segment's first pass (its prefill)
-        greedy_drafts = settings.draft_tokens and settings.temperature <= 0
-        self.lookup = PromptLookup(cache.ids) if greedy_drafts else None
-        # Draft length adapts like transformers' assisted generation: +2 after a fully accepted draft, -1 after a
-        # rejection, so a long verification pass (it costs more than a one-token pass) is spent where copying pays.
-        self.draft_len = max(1, settings.draft_tokens // 2)
-        self.drafts: list[int] = []
-        self.base = len(cache)  # the ids before the pass in flight (and its drafts)
-        self._texts: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()  # a pass's deltas; None: the end
-        self._closed = False  # set by the segment's thread when its stream is closed
-        self._over = threading.Event()  # set once the request is over and recorded (`ended`)
-        self._failure: BaseException | None = None  # a failed step's error, for the segment's thread
-
-    def start(self) -> None:
-        """Force the guide's opening, then submit the segment's first pass (the segment's thread), or end it where
-        forced tokens already did."""
-        if self.opening:  # (ahead of the grammar, which constrains what follows it)
-            self._texts.put(self.tokens.force(self.opening))
-        keep = self.next_pass()
-        if keep is None:
-            self.ended(None)
-        else:
-            self.scheduler.submit(self.cache, keep, self.cancel, owner=self)
-
-    def stream(self) -> Iterator[str]:
-        """The segment's text, as its passes add it, until the request ends (the segment's thread); then a failed
-        step's error."""
-        while (deltas := self._texts.get()) is not None:
-            yield from filter(None, deltas)
-        if self._failure is not None:
-            raise self._failure
-
-    def close(self) -> None:
-        """Nobody reads the stream any more (the segment's thread): the row ends after its pass in flight, which it
-        drops; wait for that end (the session's ids are this thread's again), and log a failure nobody is told of."""
-        self._closed = True
-        self._over.wait()
-        if self._failure is not None:
-            log.error("a segment failed after its stream was closed", exc_info=self._failure)
-
-    def next_pass(self) -> int | None:
-        """The next pass's drafts, added to the ids: its keep; None when the segment is over."""
-        cache = self.cache
-        if self.record.stop is not None:
-            return None
-        if self._closed or (self.cancel is not None and self.cancel.is_set()):
-            self._finish(Stop(StopReason.CANCELLED))
-            return None
-        if self.guide is not None and (forced := self.guide.forced()):  # the text the grammar fixes: no choice
-            forced = forced[:self.tokens.room()]
-            self.guide.consume(forced)
-            self._texts.put(self.tokens.force(forced))
-            if self.record.stop is not None:
-                return None
-        self.base = len(cache)
-        room = self.tokens.room() - 1
-        share = max(1, DRAFTS_PER_STEP // max(1, self.scheduler.rows_in_turns()))
-        # (the first pass too: after a question or a tool's result the model mostly starts as the prompt's examples
-        # do, "<request><", "Result = ...", so its first text comes a pass earlier)
-        self.drafts = self.lookup.propose(min(self.draft_len, room, share)) if self.lookup else []
-        cache.extend(self.drafts)
-        return len(self.drafts) + 1
-
-    def passed(self, result: PassResult) -> int | None:
-        """A pass is done (the scheduler's thread): take its tokens, check the stops, queue their text; the next
-        pass's keep, or None. An error here ends the request, and `ended` records it."""
-        settings, cache, drafts = self.settings, self.cache, self.drafts
-        if self._closed:  # nobody reads this segment any more: the pass it ran is dropped, the ids end at the last
-            # token taken, its keys/values not computed, as after any step (a Stop instead keeps the pass's tokens,
-            # which are streamed, and ends the segment before its next pass)
-            last = cache.ids[self.base - 1]
-            cache.truncate(self.base - 1)
-            cache.extend([last])
-            self._finish(Stop(StopReason.CANCELLED))
-            return None
-        if self.first:
-            self.first = False
-            # (neither drafts nor the tokens the guide forced before the first pass are prompt)
-            self.record.prefill_tokens = result.fed - len(drafts) - self.tokens.added
-            self.record.cached_tokens = result.reused
-        tokens, chosen_by = choose_tokens(result.logits, drafts, settings.temperature, settings.top_p,
-                                          self.generator, self.guide, settings.top_k)
-        if drafts:
-            full = len(tokens) > len(drafts)
-            self.draft_len = min(settings.draft_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
-        cache.truncate(self.base + len(tokens) - 1)  # rejected drafts leave the ids and the cache
-        cache.extend(tokens[-1:])
-        logprobs = None if self.record.logprobs is None else \
-            token_logprobs(result.logits, tokens, settings.temperature)
-        deltas = self.tokens.take(tokens, chosen_by, self.base, logprobs)
-        if self.lookup:
-            self.lookup.sync()
-        self._texts.put(deltas)
-        return self.next_pass()
-
-    def ended(self, error: BaseException | None) -> None:
-        """The request is over (the scheduler's thread, once; the segment's where no pass ran): a failure is recorded
-        here, the tokens of the pass it stopped undone (its drafts, or the failed step's): Stop during a long prefill
-        (Cancelled, between two chunks) as cancelled, any other error as the segment's. Then the stream ends."""
-        if error is not None:
-            self.cache.truncate(self.base)
-            if isinstance(error, Cancelled):
-                if self.first:
-                    self.record.prefill_tokens, self.record.cached_tokens = error.fed, error.reused
-                self._finish(Stop(StopReason.CANCELLED))
-            else:
-                self._failure = error
-                self._finish(Stop(StopReason.ERROR))
-        self._texts.put(None)
-        self._over.set()
-
-    def _finish(self, stop: Stop) -> None:
-        """The segment stops, for the reason the code that stopped it gives: its next pass is not asked for."""
-        self.record.stop = stop

@@ -34,11 +34,11 @@ def _load_backend() -> Backend:
 
 def concurrent_turns() -> int:
     """How many turns the app runs at once. In process: as many rows as the scheduler batches into one step
-    (app.model.scheduler.MAX_ROWS). With a model server: server_parallel(), since the server batches them."""
+    (app.backends.scheduler.MAX_ROWS). With a model server: server_parallel(), since the server batches them."""
     if os.environ.get("MODEL_SERVER_URL", "").strip():
         from app.backends.server import server_parallel
 
         return server_parallel()
-    from app.model.scheduler import MAX_ROWS
+    from app.backends.scheduler import MAX_ROWS
 
     return MAX_ROWS

@@ -242,7 +242,7 @@ class Engine:
         opening = tuple(self._opening_ids(guide.opening)) if guide is not None and guide.opening else ()
         request = SegmentRequest(self.protocol.stop_strings, self.protocol.marker_ids,
                                  guide.grammar if guide else None, settings.logprobs, opening)
-        segment = request.blank()  # what the segment did: the backend's to fill once it runs, placed here at the end
+        segment = request.blank()  # what the segment did (the backend's result where one runs), placed at the end
         yield SegmentStarted("model")
         try:
             if len(cache) >= settings.max_length:
@@ -250,10 +250,11 @@ class Engine:
             else:
                 stream = Holdback(self.protocol.cut_stops)  # text that may start a cut stop waits for the next token
                 running = self.backend.run_segment(cache, settings, cancel, request, session.generator)
-                segment = running.segment
-                # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
-                with closing(running.deltas) as deltas:
-                    yield from _shown(stream, deltas)
+                try:  # closing: a closed turn (Stop in the page) closes the backend's segment at once (its stream)
+                    with closing(running.deltas) as deltas:
+                        yield from _shown(stream, deltas)
+                finally:
+                    segment = running.result()
                 end = None
                 if segment.stop is not None and segment.stop.string in self.protocol.cut_stops:
                     end = self._cut(cache, start, segment.stop.string)  # not part of the answer

@@ -3,10 +3,11 @@
 Continuous batching as serving engines do it, kept small: a session's thread (a chat turn, an API call, a batch
 row) asks for passes over its uncached tokens; the scheduler's thread takes every waiting request at a step
 boundary and runs them as one ragged pass (app.model.ragged), so rows join when they ask and leave when their segment
-stops, each with its own settings, sampling generator, stop checker and cancel. Each pass's result goes to the
-request's owner (`RowOwner`, e.g. app.backends.local.LocalSegment) right after it, in this thread: a decoding row's
-per-token work (its tokens, their text, the stop check, the next drafts) runs here, and its own thread only streams
-the text; tools run in the session's thread, never on the model's.
+stops, each with its own settings, sampling generator, stop checker and cancel. A decoding request carries its row
+(app.backends.row.Row), which the scheduler updates from each pass's result right after it, in this thread: the
+row's per-token work (its tokens, their text, the stop check, the next drafts) runs here and gives back plain data,
+the text for the request's output queue and the next pass's keep; the segment's own thread only streams that text.
+A request ends in one place (`_finish`). Tools run in the session's thread, never on the model's.
 
 A long prefill (a new question over an evicted history, a long tool result) is fed in chunks while other rows
 are decoding, so it never stalls them for much more than one decode step. A row whose pass raises is retried
@@ -17,19 +18,22 @@ still go through here, one row at a time.
 from __future__ import annotations
 
 import atexit
+import logging
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
+from app.backends.row import Row
 from app.model import ragged
 from app.model.kvcache import TokenCache
 from app.threads import model_threads, use_model_threads
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # rows per step (and in-process turns at once): more wait for a row to leave
 CHUNK_BESIDE_DECODE = 64  # prefill tokens per step while other rows decode (~ one batched decode step's work)
@@ -46,36 +50,17 @@ class Cancelled(Exception):
         self.fed, self.reused = fed, reused
 
 
-@dataclass(frozen=True)
-class PassResult:
-    """One pass over a request's uncached ids, done: what goes back to the request's owner."""
-
-    logits: torch.Tensor  # the pass's last `keep` positions
-    fed: int  # tokens fed through the model for it (over one step, or several for a chunked prefill)
-    reused: int  # tokens whose keys/values came from the cache when it started
-
-
-class RowOwner(Protocol):
-    """Who a request's passes are for. Both calls come in the scheduler's thread: keep them short."""
-
-    def passed(self, result: PassResult) -> int | None:
-        """A pass is done: the keep of the next pass (the owner has added its tokens to the cache), or None when
-        the request is over."""
-
-    def ended(self, error: BaseException | None) -> None:
-        """The request is over, whatever the outcome (`error`: why it failed or was cancelled)."""
-
-
 @dataclass(eq=False)
 class Pass:
-    """A request for passes over a TokenCache's uncached ids (Scheduler.submit): one, or with an owner one a step
-    until the owner says it is done."""
+    """A request for passes over a TokenCache's uncached ids (Scheduler.submit): one, or with a row one a step until
+    the row's segment is over, its text queued for the segment's thread (`stream`)."""
 
     cache: TokenCache
     keep: int
     cancel: threading.Event | None = None
-    owner: RowOwner | None = None
+    row: Row | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    outputs: queue.SimpleQueue[list[str] | None] = field(default_factory=queue.SimpleQueue)  # None: the end
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     fed: int = 0
@@ -90,6 +75,22 @@ class Pass:
         if self.error is not None:
             raise self.error
         return self.logits, self.fed, self.reused
+
+    def stream(self) -> Iterator[str]:
+        """A row's text as its passes add it, until the request ends (the segment's thread); then its failure, where
+        its pass or its update failed (not where it was cancelled)."""
+        while (deltas := self.outputs.get()) is not None:
+            yield from filter(None, deltas)
+        if self.error is not None and not isinstance(self.error, Cancelled):
+            raise self.error
+
+    def close(self) -> None:
+        """Nobody reads the row's stream any more (the segment's thread): it ends after its pass in flight; wait for
+        that end (the session's ids are this thread's again), and log a failure nobody is told of."""
+        self.row.close()
+        self.done.wait()
+        if self.error is not None and not isinstance(self.error, Cancelled):
+            log.error("a segment failed after its stream was closed", exc_info=self.error)
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Scheduler:
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Bracket a row's turn (LocalBackend.turn_scope): before its first pass and between two of its passes
+        """Bracket a turn (LocalBackend.turn_scope): before its first pass and between two of its passes
         (choosing a token, checking stops, running a tool) the next step waits up to GATHER_S for it, so that rows
         decoding together stay in one pass instead of alternating, and turns that start together prefill
         together (questions sent at once reach the scheduler a few ms apart)."""
@@ -191,12 +192,12 @@ class Scheduler:
         return self.submit(cache, keep, cancel).result()
 
     def submit(self, cache: TokenCache, keep: int = 1, cancel: threading.Event | None = None,
-               owner: RowOwner | None = None) -> Pass:
-        """Like forward, without waiting. With an `owner`, the request goes on for as long as the owner, told each
-        pass's result in the scheduler's thread, gives the next pass's keep: a decoding row's per-token work runs
-        there right after its pass, and the row joins the next step without threads waking in turn for the GIL
-        (docs/concurrency.md). The owner is told once when it is over, whatever the outcome."""
-        request = Pass(cache, keep, cancel, owner)
+               row: Row | None = None) -> Pass:
+        """Like forward, without waiting. With a `row` (begun: its first pass's drafts in `cache`), the request goes
+        on for as long as the row, updated from each pass's result in the scheduler's thread, gives the next pass's
+        keep: its per-token work runs there right after its pass, and it joins the next step without threads waking
+        in turn for the GIL (docs/concurrency.md)."""
+        request = Pass(cache, keep, cancel, row)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="model-scheduler", daemon=True)
@@ -311,26 +312,39 @@ class Scheduler:
         self._passed(request, logits)
 
     def _passed(self, request: Pass, logits: torch.Tensor) -> None:
-        """A request's pass is done: it ends, or (its owner says) stays for its next pass in the next step."""
-        if request.owner is not None:
+        """A request's pass is done: its row is updated from the result, and the request ends or (the row says)
+        stays for its next pass in the next step."""
+        row = request.row
+        if row is not None:
+            if row.closed:  # nobody reads it: the pass it ran is dropped
+                row.drop()
+                self._finish(request)
+                return
             try:
-                keep = request.owner.passed(PassResult(logits, request.fed, request.reused))
+                step = row.update(logits, request.fed, request.reused, self.rows_in_turns())
             except Exception as error:  # (the row's own work failed: that row alone ends, with its error)
                 self._finish(request, error=error)
                 return
-            if keep is not None:
-                request.keep, request.fed, request.reused = keep, 0, -1
+            request.outputs.put(step.deltas)
+            if step.keep is not None:
+                request.keep, request.fed, request.reused = step.keep, 0, -1
                 return
         self._finish(request, logits=logits)
 
     def _finish(self, request: Pass, logits: torch.Tensor | None = None,
                 error: BaseException | None = None) -> None:
+        """The one end of a request, whatever the outcome (`error`: why it failed or was cancelled): its row records
+        a failure, its stream ends, and whoever waits for it is told."""
         request.logits, request.error = logits, error
         with self._cond:
             self._active.remove(request)
+        if request.row is not None:
+            if isinstance(error, Cancelled):
+                request.row.cancelled(error.fed, error.reused)
+            elif error is not None:
+                request.row.failed()
+            request.outputs.put(None)
         request.done.set()
-        if request.owner is not None:
-            request.owner.ended(error)
 
 
 EXIT_WAIT_S = 10.0  # at the process's exit, how long the scheduler's work in flight may still run
