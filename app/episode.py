@@ -55,7 +55,7 @@ class Provenance(str, enum.Enum):
 
     MODEL = "model"  # the model's own choice
     STEERED = "steered"  # the guide removed the token the model ranked first
-    FORCED = "forced"  # the guide's: written by the engine, or the only text the grammar allowed
+    FORCED = "forced"  # the guide's: its opening (a claimed call), or the only text the grammar allowed
 
 
 @dataclass(kw_only=True)

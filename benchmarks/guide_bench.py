@@ -2,7 +2,7 @@
 
     python3 benchmarks/guide_bench.py [--runs 5] [--weights int8]
 
-The guide's work per generated token, as app.backends.local.LocalSegment does it greedy: the grammar's mask and
+The guide's work per generated token, as app.backends.row.Row does it greedy: the grammar's mask and
 the greedy choice under it (with the check whether the model's first choice was banned), the token consumed, and the
 forced text looked up for the next pass; timed over the tokens of real guided segments (a call, a look-up's
 answer, an arithmetic answer, a chit-chat answer). The decode step is the app's own model step

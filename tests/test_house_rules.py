@@ -220,6 +220,20 @@ def test_the_page_holds_the_service_and_is_not_one():
     assert "release_shared" not in sessions and not [m for m in imported if m.startswith("app.serving")]
 
 
+def test_a_model_segment_has_one_owner():
+    """Issue 57: a model segment's tokens are the backend's to write. Forced ones (the guide's opening, what its grammar
+    fixes) go in through one path, SegmentTokens.force, which alone builds a run of forced provenance; the engine
+    builds no model Segment of its own; the scheduler updates its own Row type (no callback interface of a caller's
+    layer, typing.Protocol)."""
+    app = ROOT / "app"
+    forcing = sorted(str(p.relative_to(app)) for p in app.rglob("*.py") if "[Provenance.FORCED] *" in p.read_text())
+    assert forcing == ["backends/tokens.py"]
+    engine = [p.name for p in (app / "engine").glob("*.py") if 'Segment("model"' in p.read_text()]
+    assert engine == []
+    scheduler = (app / "backends" / "scheduler.py").read_text()
+    assert "Protocol" not in scheduler and "from app.backends.row import Row" in scheduler
+
+
 def test_page_updates_are_named_not_padded():
     """Handlers return typed updates that layout.py wires as {component: value}: no tuple of gr.skip() pads an
     output list, and no handler's output is read by position."""

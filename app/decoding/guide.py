@@ -1,4 +1,4 @@
-"""Guided answers: one declared grammar (GBNF) per model segment, plus the text the engine writes itself, and the pieces
+"""Guided answers: one declared grammar (GBNF) per model segment, plus the text it opens with (forced), and the pieces
 every protocol's grammar shares. The protocols build each guide from their markers, the session's tools and the last
 tool output (docs/guided-answers.md); every token the guide decides is recorded as such."""
 

@@ -216,7 +216,7 @@ class Engine:
         return None if call is None else self.protocol.call_text(call, self.tools)
 
     def _claimed(self, question: str, settings: Settings | None = None, room: int | None = None) -> ToolCall | None:
-        """The call a question's reply is, written by the engine, where one of the session's tools claims it
+        """The call a question's reply is, forced by the guide, where one of the session's tools claims it
         (Tool.claims) and the guide is on; else None: the model chooses. None too where it could not run
         (max_turns 0) or be written whole (max_new_tokens, `room` left in max_length)."""
         if settings is not None and (settings.max_turns <= 0 or not settings.guide):

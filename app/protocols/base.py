@@ -77,7 +77,7 @@ class Protocol(ABC):
     @abstractmethod
     def guide(self, tools: Mapping[str, Tool], claimed: ToolCall | None, after: Segment | None,
               calls: bool) -> Guide:
-        """A model segment's guide: the claimed call (written by the engine), else what the model may write after
+        """A model segment's guide: the claimed call (forced), else what the model may write after
         the question or after `after`, a tool segment; `calls`: whether another call may run (max_turns)."""
 
     def ends_answer(self, stop: Stop | None) -> bool:
