@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
 import torch
 
 from app.backends.row import Row
