@@ -1,5 +1,5 @@
-"""Tiny loopback HTTP servers that misbehave on purpose, for the model server's error paths, and a proxy that
-records what the app sends to a real server (and can change it on the way)."""
+"""Tiny loopback HTTP servers that misbehave on purpose, for the model server's error paths, the stream llama.cpp's
+server would send, and a proxy that records what the app sends to a real server (and can change it on the way)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import json
 import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit
+
+from app.protocols.base import encode
+
+
+def llama_stream(tokenizer, text: str, stop: str) -> bytes:
+    """llama.cpp's stream of `text`, ended by the stop string `stop` (which its `content` leaves out)."""
+    ids = encode(tokenizer, text + stop)
+    events = [{"content": text, "tokens": ids, "stop": False, "tokens_predicted": len(ids)},
+              {"content": "", "tokens": [], "stop": True, "stop_type": "word", "stopping_word": stop,
+               "tokens_predicted": len(ids), "timings": {"prompt_n": 5, "cache_n": 0}}]
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
 
 
 def serve(body: bytes | Callable[[dict], tuple[int, bytes]], status: int = 200, hold: threading.Event | None = None,

@@ -6,8 +6,6 @@ answering as llama.cpp's server)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from app.protocols.base import encode
 from app.protocols.textenv.markers import SUBMIT
 from app.settings import Settings
 from tests.conftest import forced, plan_text, prime
-from tests.http_peers import serve
+from tests.http_peers import llama_stream, serve
 
 SETTINGS = Settings(max_new_tokens=40, draft_tokens=0).validated(4096)
 STOPS = (SUBMIT,)
@@ -68,36 +66,28 @@ def test_in_process_the_model_goes_on_after_an_opening(tiny_llama, tokenizer):
     assert segment.generated_tokens == written
 
 
-def llama_stream(tokenizer, text: str) -> bytes:
-    ids = encode(tokenizer, text + SUBMIT)
-    events = [{"content": text, "tokens": ids, "stop": False, "tokens_predicted": len(ids)},
-              {"content": "", "tokens": [], "stop": True, "stop_type": "word", "stopping_word": SUBMIT,
-               "tokens_predicted": len(ids), "timings": {"prompt_n": 5, "cache_n": 0}}]
-    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+def on_a_server(tokenizer, opening: str, reply: str):
+    """One segment with `opening` on a loopback peer that streams `reply` as llama.cpp would: its text, its record,
+    the opening's length and the requests the peer got."""
+    requests = []
+    httpd, url = serve(llama_stream(tokenizer, reply, SUBMIT), requests=requests)
+    with httpd:
+        backend = ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), tokenizer, 4096)
+        session = Engine(backend).new_session(use_cache=False)
+        text, segment, n = run(backend, session.cache, opening)
+        httpd.shutdown()
+    return text, segment, n, requests
 
 
 def test_on_a_server_a_whole_reply_is_forced_here_and_no_request_is_sent(server_tokenizer):
-    requests = []
-    httpd, url = serve(llama_stream(server_tokenizer, "never"), requests=requests)
-    with httpd:
-        backend = ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096)
-        session = Engine(backend).new_session(use_cache=False)
-        text, segment, n = run(backend, session.cache, "<request><Calculator>2 + 2<call>" + SUBMIT)
-        httpd.shutdown()
+    text, segment, n, requests = on_a_server(server_tokenizer, "<request><Calculator>2 + 2<call>" + SUBMIT, "never")
     assert text.endswith(SUBMIT) and segment.stop.string == SUBMIT and not requests
     assert segment.provenance == [Provenance.FORCED] * n and segment.generated_tokens == 0
     assert segment.prefill_tokens == segment.cached_tokens == 0
 
 
 def test_on_a_server_the_completion_goes_on_after_an_opening(server_tokenizer):
-    requests = []
-    httpd, url = serve(llama_stream(server_tokenizer, " 5"), requests=requests)
-    with httpd:
-        backend = ServerBackend(ModelServer(url, timeout_s=5), LlamaCpp(), server_tokenizer, 4096)
-        session = Engine(backend).new_session(use_cache=False)
-        text, segment, n = run(backend, session.cache, "Result =")
-        httpd.shutdown()
-    (sent,) = requests
+    text, segment, n, (sent,) = on_a_server(server_tokenizer, "Result =", " 5")
     written = len(encode(server_tokenizer, " 5" + SUBMIT))
     assert sent["prompt"][-n:] == list(encode(server_tokenizer, "Result =")) and sent["n_predict"] == 40 - n
     assert text == "Result = 5" + SUBMIT and segment.stop.string == SUBMIT

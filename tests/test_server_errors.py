@@ -21,7 +21,7 @@ from app.episode import Provenance
 from app.protocols.textenv.markers import SUBMIT
 from app.protocols.base import encode
 from app.settings import Settings
-from tests.http_peers import serve
+from tests.http_peers import llama_stream, serve
 
 
 def run_turn(url: str, tokenizer, timeout_s: float = 5.0):
@@ -107,15 +107,6 @@ def test_bad_urls_and_error_bodies():
 GRAMMAR_400 = (b'{"error": {"code": 400, "message": "Failed to initialize samplers: failed to parse grammar", '
                b'"type": "invalid_request_error"}}')  # llama.cpp's own answer (../shared/notes/stack-facts.md)
 ONE_LINE = Settings(max_new_tokens=16, max_turns=0, guide=True)  # one guided segment: the answer line
-
-
-def llama_stream(tokenizer, text: str, stop: str) -> bytes:
-    """llama.cpp's stream of `text`, ended by the stop string `stop` (which its `content` leaves out)."""
-    ids = encode(tokenizer, text + stop)
-    events = [{"content": text, "tokens": ids, "stop": False, "tokens_predicted": len(ids)},
-              {"content": "", "tokens": [], "stop": True, "stop_type": "word", "stopping_word": stop,
-               "tokens_predicted": len(ids), "timings": {"prompt_n": 5, "cache_n": 0}}]
-    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
 
 
 def test_a_grammar_the_server_rejects_is_said_to_be_the_guides_and_the_next_turn_works(server_tokenizer):

@@ -62,7 +62,6 @@ class ServerBackend:
         self.lock = threading.RLock()
         self._warmed: OrderedDict[int, None] = OrderedDict()  # hashes of the prompts prefill() sent
         self._warm_lock = threading.Lock()
-        self._stops: dict[tuple[str, ...], StopChecker] = {}  # by stop strings (a protocol's), built once each
         self.context_limit = context_limit
         self.parallel = server_parallel()
         self.shares_prefix = False  # the server holds the keys/values (and shares the prefix in its own cache)
@@ -123,16 +122,9 @@ class ServerBackend:
 
     def run_segment(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                     request: SegmentRequest, generator: torch.Generator) -> SegmentStream:
-        tokens = SegmentTokens(self.tokenizer, self.lock, self.stops(request.stop_strings), cache, settings, request)
+        stops = StopChecker(request.stop_strings, frozenset())  # (forced tokens': the server checks its own)
+        tokens = SegmentTokens(self.tokenizer, self.lock, stops, cache, settings, request)
         return SegmentStream(self._deltas(cache, settings, cancel, request, tokens), tokens.record)
-
-    def stops(self, strings: tuple[str, ...]) -> StopChecker:
-        """The stop check of forced tokens (the server checks its own), by the protocol's stop strings."""
-        with self.lock:
-            checker = self._stops.get(strings)
-            if checker is None:
-                checker = self._stops[strings] = StopChecker(strings, frozenset())
-            return checker
 
     def _deltas(self, cache: TokenCache, settings: Settings, cancel: threading.Event | None,
                 request: SegmentRequest, tokens: SegmentTokens) -> Generator[str, None, None]:
